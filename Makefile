@@ -1,0 +1,50 @@
+# The README's two commands: `make demo` and `make test`. Each sets up .venv, installs the
+# pinned dependencies, builds the extension (CUDA when nvcc is found), then runs.
+# Second runs reuse .venv and the build outputs.
+PYTHON      ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+DEPS_STAMP  := $(VENV)/.deps-stamp
+EXT_STAMP   := build/.ext-stamp
+CUDA_HOME   ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
+export CUDA_HOME
+CSRC        := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
+JOBS        ?= 2
+
+.PHONY: demo test setup build ctest pytest bench clean
+
+demo: build
+	$(PY) -m specdec_kernels.demo
+
+test: build ctest pytest
+
+setup: $(DEPS_STAMP)
+
+$(DEPS_STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -r requirements.txt
+	touch $@
+
+build: $(EXT_STAMP)
+
+$(EXT_STAMP): $(DEPS_STAMP) setup.py $(CSRC)
+	MAX_JOBS=$(JOBS) $(PY) setup.py build_ext --inplace
+	mkdir -p build && touch $@
+
+# The torch-free core and its C++ tests, plain and under AddressSanitizer.
+ctest: $(DEPS_STAMP)
+	cmake -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Release
+	cmake --build build/cmake -j $(JOBS)
+	ctest --test-dir build/cmake --output-on-failure
+	cmake -S . -B build/cmake-asan -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Debug -DSPECDEC_ASAN=ON -DSPECDEC_CUDA=OFF
+	cmake --build build/cmake-asan -j $(JOBS)
+	ctest --test-dir build/cmake-asan --output-on-failure
+
+pytest: build
+	TRITON_INTERPRET=1 $(PY) -m pytest python_tests -q
+
+bench: build
+	$(PY) -m bench
+
+clean:
+	rm -rf build specdec_kernels/*.so

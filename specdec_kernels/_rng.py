@@ -1,0 +1,93 @@
+"""The one random-number scheme every backend shares (contract section 2).
+
+Every random number is word 0 of Philox-4x32-10 (Salmon et al., SC'11) applied to
+
+    key     = (seed_lo, seed_hi)                      the request's 64-bit seed
+    counter = (index, position | purpose << 16, offset_lo, offset_hi)
+
+where ``index`` is the vocabulary index for per-token noise (0 for a per-draft uniform),
+``position`` the node or row it belongs to (< 2**16) and ``purpose`` one of the streams below.
+Nothing depends on the request's row in the batch, the batch size, the backend or the device.
+
+Positions:
+  * ACCEPT: the draft being tested -- chain draft ``j`` (1-based, as in the contract) or tree
+    node ``i``; a chain-shaped tree uses the same numbers as the chain.
+  * RESAMPLE: the target row the correction or bonus token is drawn from -- chain row
+    ``num_accepted`` or tree node ``u``.
+  * SAMPLE: 0 (``sample()`` draws one token per call).
+
+Uniforms keep the top 24 bits so that they are exact in float32 on every backend:
+``uniform = (word >> 8) * 2**-24`` in ``[0, 1)`` (acceptance tests, ``u * q < p``), and the
+exponential noise of the sampling race is ``-log(1 - uniform)`` (``>= 0``, finite; ``1 - u`` is exact in float32).
+"""
+from __future__ import annotations
+
+import torch
+
+PURPOSE_ACCEPT = 0
+PURPOSE_RESAMPLE = 1
+PURPOSE_SAMPLE = 2
+
+MAX_POSITION = 1 << 16
+
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+PHILOX_ROUNDS = 10
+UNIFORM_SCALE = 2.0 ** -24
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of the 64-bit product of constant ``a`` and uint32 values in int64.
+
+    int64 cannot hold a 64-bit product, so ``b`` is split in 16-bit halves: every partial
+    product stays below 2**49.
+    """
+    b_lo = b & 0xFFFF
+    b_hi = b >> 16
+    p_lo = a * b_lo  # < 2**48
+    p_hi = a * b_hi  # < 2**48
+    hi = (p_hi + (p_lo >> 16)) >> 16
+    lo = (p_lo + ((p_hi & 0xFFFF) << 16)) & _MASK32
+    return hi & _MASK32, lo
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
+    """Philox-4x32 on int64 tensors holding uint32 values; returns the four output words."""
+    c0, c1, c2, c3, k0, k1 = (torch.as_tensor(x, dtype=torch.int64) & _MASK32
+                              for x in (c0, c1, c2, c3, k0, k1))
+    for _ in range(rounds):
+        hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + PHILOX_W0) & _MASK32
+        k1 = (k1 + PHILOX_W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def random_words(seed: torch.Tensor, offset: torch.Tensor, position, purpose: int,
+                 index=0) -> torch.Tensor:
+    """Word 0 of Philox for each element (int64 holding uint32); arguments broadcast."""
+    seed = torch.as_tensor(seed, dtype=torch.int64)
+    offset = torch.as_tensor(offset, dtype=torch.int64, device=seed.device)
+    position = torch.as_tensor(position, dtype=torch.int64, device=seed.device)
+    index = torch.as_tensor(index, dtype=torch.int64, device=seed.device)
+    c1 = (position & 0xFFFF) | (purpose << 16)
+    word, _, _, _ = philox4x32(index, c1, offset & _MASK32, offset >> 32,
+                               seed & _MASK32, seed >> 32)
+    return word
+
+
+def uniform(seed, offset, position, purpose: int, index=0) -> torch.Tensor:
+    """float32 uniforms in [0, 1), exact multiples of 2**-24."""
+    word = random_words(seed, offset, position, purpose, index)
+    return (word >> 8).to(torch.float32) * UNIFORM_SCALE
+
+
+def exponential(seed, offset, position, purpose: int, index=0) -> torch.Tensor:
+    """float32 Exp(1) noise, ``-log(1 - u)``: finite, and 0 only when u == 0."""
+    u = uniform(seed, offset, position, purpose, index)
+    return -torch.log(1.0 - u)
