@@ -1,0 +1,13 @@
+"""specdec_kernels: exact, fused speculative-decoding verification.
+
+Every op has a pure-PyTorch reference (``specdec_kernels.reference``), Triton kernels
+(``specdec_kernels.triton``) and, for tree attention and the KV cache, a C++/CUDA extension.
+See CONTRACT.md (shared) and README.md.
+"""
+from .sampling import processed_probs, sample
+from .chain import ChainVerifyOutput, verify_chain
+
+__all__ = [
+    "processed_probs", "sample",
+    "ChainVerifyOutput", "verify_chain",
+]

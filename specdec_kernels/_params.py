@@ -1,0 +1,126 @@
+"""Argument parsing and validation shared by every public op and backend.
+
+Errors name the argument, what was expected and what was given. Checks of shapes, dtypes and
+devices never synchronise; checks of values (ids, ranges) read only small tensors and run only
+when ``validate=True``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+Scalar = Union[int, float, bool]
+PerRequest = Union[Scalar, torch.Tensor, None]
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(x, name: str, *, ndim: Optional[int] = None,
+                 dtypes: Optional[Sequence[torch.dtype]] = None,
+                 device: Optional[torch.device] = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(x.shape)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype in ({names}), got {str(x.dtype).replace('torch.', '')}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {x.device}")
+    return x
+
+
+def check_shape(x: torch.Tensor, name: str, expected: Sequence[Optional[int]], what: str = "") -> None:
+    ok = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
+    if not ok:
+        shown = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        hint = f" ({what})" if what else ""
+        raise ValueError(f"{name}: expected shape {shown}{hint}, got {list(x.shape)}")
+
+
+def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
+                dtype: torch.dtype, default: Scalar) -> torch.Tensor:
+    """A per-request argument as a ``[batch]`` tensor of ``dtype`` on ``device``.
+
+    Accepts None (the default), a Python scalar (broadcast), or a 0-D / ``[batch]`` tensor on
+    ``device``. No synchronisation.
+    """
+    if value is None:
+        value = default
+    if isinstance(value, torch.Tensor):
+        if value.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (the logits' device), "
+                             f"got one on {value.device}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name}: expected a real-valued tensor, got dtype {value.dtype}")
+        if dtype.is_floating_point is False and value.is_floating_point():
+            raise TypeError(f"{name}: expected an integer tensor, got dtype {value.dtype}")
+        if value.dim() == 0:
+            value = value.reshape(1).expand(batch)
+        elif value.dim() != 1 or value.shape[0] != batch:
+            raise ValueError(f"{name}: expected a scalar or a [{batch}] tensor (one per request), "
+                             f"got shape {list(value.shape)}")
+        return value.to(dtype).contiguous()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a Python number or a tensor, got {type(value).__name__}")
+    if not dtype.is_floating_point and isinstance(value, float):
+        if value != int(value):
+            raise TypeError(f"{name}: expected an integer, got {value!r}")
+        value = int(value)
+    return torch.full((batch,), value, dtype=dtype, device=device)
+
+
+def _any(mask: torch.Tensor) -> bool:
+    return bool(mask.any().item())
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters, each ``[B]`` on the logits' device.
+
+    ``uses_top_k`` / ``uses_top_p`` are host-side hints: False only when the caller passed a
+    scalar that disables the filter (or nothing), so kernels can skip that code entirely
+    without reading the device tensors.
+    """
+    temperature: torch.Tensor  # float32, 0 = greedy
+    top_k: torch.Tensor        # int32, 0 or >= V disables
+    top_p: torch.Tensor        # float32, 1 disables
+    uses_top_k: bool
+    uses_top_p: bool
+    all_greedy: bool           # host-known: every request is greedy
+
+
+def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerRequest, *,
+                    batch: int, vocab_size: int, device: torch.device,
+                    validate: bool) -> SamplingParams:
+    t = per_request(temperature, "temperature", batch, device, torch.float32, 1.0)
+    k = per_request(top_k, "top_k", batch, device, torch.int64, 0)
+    p = per_request(top_p, "top_p", batch, device, torch.float32, 1.0)
+    if validate:
+        if _any(~(t >= 0)) or _any(torch.isinf(t)):
+            bad = t[~(t >= 0) | torch.isinf(t)][0].item()
+            raise ValueError(f"temperature: expected finite values >= 0 (0 = greedy), got {bad}")
+        if _any(k < 0):
+            raise ValueError(f"top_k: expected values >= 0 (0 disables), got {k[k < 0][0].item()}")
+        if _any(~((p > 0) & (p <= 1))):
+            bad = p[~((p > 0) & (p <= 1))][0].item()
+            raise ValueError(f"top_p: expected values in (0, 1] (1 disables), got {bad}")
+    uses_top_k = isinstance(top_k, torch.Tensor) or (top_k not in (None, 0) and top_k < vocab_size)
+    uses_top_p = isinstance(top_p, torch.Tensor) or (top_p not in (None, 1, 1.0))
+    all_greedy = (not isinstance(temperature, torch.Tensor)) and temperature == 0
+    k = k.clamp(0, 2**31 - 1).to(torch.int32)
+    return SamplingParams(t, k, p, uses_top_k, uses_top_p, all_greedy)
+
+
+def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B]`` int64 seeds and offsets; ``seed=None`` draws one seed per request from torch's
+    default generator, so ``torch.manual_seed`` makes runs repeatable."""
+    if seed is None:
+        seed = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64).to(device)
+    s = per_request(seed, "seed", batch, device, torch.int64, 0)
+    o = per_request(offset, "offset", batch, device, torch.int64, 0)
+    return s, o

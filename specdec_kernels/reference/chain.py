@@ -1,0 +1,70 @@
+"""Reference chain verification (contract section 3), vectorised over the batch."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _rng
+from .sampling import processed_probs, race, race_noise
+
+
+def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
+                 draft_probs: Optional[torch.Tensor], draft_logits: Optional[torch.Tensor],
+                 num_draft_tokens: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor):
+    """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32)``.
+
+    All per-request arguments are ``[B]`` tensors (parsed by the public layer). Out-of-range
+    draft ids and ``num_draft_tokens`` outside ``0..K`` (possible with ``validate=False``) are
+    treated as rejected drafts and clamped, never read.
+    """
+    batch, rows, vocab = target_logits.shape
+    num_drafts = rows - 1
+    device = target_logits.device
+    p = processed_probs(target_logits, temperature, top_k, top_p)  # [B, K+1, V]
+    if draft_logits is not None:
+        q = processed_probs(draft_logits, temperature, top_k, top_p)
+    elif draft_probs is not None:
+        q = draft_probs.to(p.dtype)
+    else:
+        q = None  # one-hot at the drafted token
+
+    position = torch.arange(num_drafts, device=device)
+    n = num_draft_tokens.to(torch.int64).clamp(0, num_drafts)
+    ids = draft_token_ids.to(torch.int64)
+    valid = (position < n[:, None]) & (ids >= 0) & (ids < vocab)
+    drafts = torch.where(valid, ids, 0)
+
+    p_draft = p[:, :num_drafts].gather(-1, drafts[..., None])[..., 0]
+    q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, drafts[..., None])[..., 0]
+    u = _rng.uniform(seed[:, None], offset[:, None], position + 1, _rng.PURPOSE_ACCEPT)
+    greedy = (temperature == 0)[:, None]
+    # Greedy p is one-hot at the arg-max, so p(d) > 0 means d is the arg-max.
+    accept = torch.where(greedy, p_draft > 0, u * q_draft < p_draft) & valid
+    num_accepted = accept.to(torch.int64).cumprod(-1).sum(-1)  # [B]
+
+    # The correction (after a rejection) or bonus token comes from row `num_accepted`.
+    rows_idx = num_accepted[:, None, None].expand(batch, 1, vocab)
+    p_last = p.gather(1, rows_idx)[:, 0]
+    rejected = num_accepted < n
+    if num_drafts > 0:
+        last = num_accepted.clamp(max=num_drafts - 1)
+        if q is None:
+            q_last = torch.zeros_like(p_last).scatter_(
+                -1, drafts.gather(1, last[:, None]), 1.0)
+        else:
+            q_last = q.gather(1, last[:, None, None].expand(batch, 1, vocab))[:, 0]
+        residual = (p_last - q_last).clamp(min=0)  # NaN stays NaN and never wins the race
+        has_mass = (residual > 0).any(-1)  # no mass left: fall back to p
+        use_residual = (rejected & has_mass & ~greedy[:, 0])[:, None]
+        weights = torch.where(use_residual, residual, p_last)
+    else:
+        weights = p_last
+    noise = race_noise(seed, offset, num_accepted, _rng.PURPOSE_RESAMPLE, vocab)
+    final_token = race(weights, noise)
+
+    out = torch.full((batch, rows), -1, dtype=torch.int32, device=device)
+    out[:, :num_drafts] = torch.where(position < num_accepted[:, None], drafts, -1).to(torch.int32)
+    out.scatter_(1, num_accepted[:, None], final_token[:, None])
+    return out, num_accepted.to(torch.int32)

@@ -1,0 +1,80 @@
+"""Reference target distribution (contract section 1) and the sampling race (section 2).
+
+Per-request parameters are ``[B]`` tensors applying to dim 0 of the logits. Computation is in
+float32 (float64 when the logits are float64, which the exactness tests use).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _rng
+
+
+def _per_row(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[B]`` -> ``[B, 1, ..., 1]`` broadcasting over the rows and the vocabulary of ``like``."""
+    return param.reshape(param.shape + (1,) * (like.dim() - 1))
+
+
+def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """The distribution verification preserves, ``[..., V]`` like ``logits``; rows with no finite
+    logit are all zero. ``temperature``/``top_k``/``top_p`` are ``[B]`` for dim 0."""
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(compute)
+    x = torch.where(torch.isfinite(x), x, -torch.inf)  # NaN and +-inf never sampled
+    vocab = x.shape[-1]
+    temp = _per_row(temperature.to(compute), x)
+    k = _per_row(top_k.to(torch.int64), x)
+    top_p = _per_row(top_p.to(compute), x)
+
+    x_max = x.amax(-1, keepdim=True)
+    has_finite = x_max > -torch.inf
+    greedy = temp == 0
+    # (x - max) / T rather than x / T - max / T: never overflows for small T.
+    z = torch.where(x > -torch.inf, (x - x_max) / torch.where(greedy, 1.0, temp), -torch.inf)
+
+    filtered = bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1).any())
+    if filtered:
+        z_sorted, order = z.sort(dim=-1, descending=True, stable=True)
+        k_eff = torch.where((k <= 0) | (k >= vocab), vocab, k).expand(*z.shape[:-1], 1)
+        kth = z_sorted.gather(-1, k_eff - 1)
+        z = torch.where(z >= kth, z, -torch.inf)  # boundary ties kept
+    e = torch.exp(z)
+    probs = e / e.sum(-1, keepdim=True)
+    if filtered:
+        p_sorted = probs.gather(-1, order)  # z order is p order
+        reached = p_sorted.cumsum(-1) >= top_p
+        first = (~reached).sum(-1, keepdim=True).clamp(max=vocab - 1)
+        tau = p_sorted.gather(-1, first)  # largest tau whose kept mass reaches top_p
+        kept = torch.where((top_p >= 1) | (probs >= tau), probs, 0.0)
+        probs = kept / kept.sum(-1, keepdim=True)
+
+    one_hot = torch.zeros_like(probs).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+    probs = torch.where(greedy, one_hot, probs)  # argmax: lowest id among ties
+    return torch.where(has_finite, probs, 0.0)
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One sample per row of the unnormalised ``weights`` by the exponential race:
+    ``argmax_i weights_i / noise_i`` over ``weights_i > 0`` with ``noise`` ~ Exp(1) i.i.d.
+    Returns int32 ``[...]``; ``-1`` where no weight is positive (NaN never is)."""
+    score = torch.where(weights > 0, weights / noise, -1.0)
+    token = score.argmax(-1)
+    return torch.where(weights.amax(-1) > 0, token, -1).to(torch.int32)
+
+
+def race_noise(seed: torch.Tensor, offset: torch.Tensor, position, purpose: int,
+               vocab_size: int) -> torch.Tensor:
+    """``[B, V]`` Exp(1) noise for one row per request (``position`` is ``[B]`` or a scalar)."""
+    index = torch.arange(vocab_size, device=seed.device)
+    position = torch.as_tensor(position, device=seed.device)
+    if position.dim() == 1:
+        position = position[:, None]
+    return _rng.exponential(seed[:, None], offset[:, None], position, purpose, index)
+
+
+def sample(logits: torch.Tensor, temperature, top_k, top_p, seed, offset) -> torch.Tensor:
+    """int32 ``[B]``: one token per row of ``logits`` ``[B, V]`` (``-1`` for a row with no finite logit)."""
+    probs = processed_probs(logits, temperature, top_k, top_p)
+    noise = race_noise(seed, offset, 0, _rng.PURPOSE_SAMPLE, logits.shape[-1])
+    return race(probs, noise)
