@@ -9,6 +9,41 @@ from .. import _rng
 from .sampling import processed_probs, race, race_noise
 
 
+def chain_outcome(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tensor,
+                  valid: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor):
+    """The deterministic part of a verify round, given its acceptance uniforms.
+
+    Args: ``p`` ``[B, K+1, V]`` processed target probabilities; ``q`` ``[B, K, V]`` draft
+    probabilities or None (one-hot at the draft); ``drafts`` ``[B, K]`` in-range ids;
+    ``valid`` ``[B, K]`` live drafts; ``greedy`` ``[B]``; ``u`` ``[B, K]`` uniforms.
+
+    Returns ``(num_accepted [B] int64, weights [B, V])``: the correction or bonus token is one
+    sample of the unnormalised ``weights`` -- the residual ``max(p - q, 0)`` after a
+    rejection (``p`` when it has no mass), ``p`` of row ``num_accepted`` otherwise. The
+    exactness tests enumerate ``u`` through this function.
+    """
+    batch, rows, vocab = p.shape
+    num_drafts = rows - 1
+    p_draft = p[:, :num_drafts].gather(-1, drafts[..., None])[..., 0]
+    q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, drafts[..., None])[..., 0]
+    # Greedy p is one-hot at the arg-max, so p(d) > 0 means d is the arg-max.
+    accept = torch.where(greedy[:, None], p_draft > 0, u * q_draft < p_draft) & valid
+    num_accepted = accept.to(torch.int64).cumprod(-1).sum(-1)
+
+    p_last = p.gather(1, num_accepted[:, None, None].expand(batch, 1, vocab))[:, 0]
+    if num_drafts == 0:
+        return num_accepted, p_last
+    last = num_accepted.clamp(max=num_drafts - 1)
+    if q is None:
+        q_last = torch.zeros_like(p_last).scatter_(-1, drafts.gather(1, last[:, None]), 1.0)
+    else:
+        q_last = q.gather(1, last[:, None, None].expand(batch, 1, vocab))[:, 0]
+    residual = (p_last - q_last).clamp(min=0)  # NaN stays NaN and never wins the race
+    rejected = valid.gather(1, last[:, None])[:, 0] & (num_accepted <= last)
+    use_residual = rejected & (residual > 0).any(-1) & ~greedy
+    return num_accepted, torch.where(use_residual[:, None], residual, p_last)
+
+
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  draft_probs: Optional[torch.Tensor], draft_logits: Optional[torch.Tensor],
                  num_draft_tokens: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -35,32 +70,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     ids = draft_token_ids.to(torch.int64)
     valid = (position < n[:, None]) & (ids >= 0) & (ids < vocab)
     drafts = torch.where(valid, ids, 0)
-
-    p_draft = p[:, :num_drafts].gather(-1, drafts[..., None])[..., 0]
-    q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, drafts[..., None])[..., 0]
     u = _rng.uniform(seed[:, None], offset[:, None], position + 1, _rng.PURPOSE_ACCEPT)
-    greedy = (temperature == 0)[:, None]
-    # Greedy p is one-hot at the arg-max, so p(d) > 0 means d is the arg-max.
-    accept = torch.where(greedy, p_draft > 0, u * q_draft < p_draft) & valid
-    num_accepted = accept.to(torch.int64).cumprod(-1).sum(-1)  # [B]
-
-    # The correction (after a rejection) or bonus token comes from row `num_accepted`.
-    rows_idx = num_accepted[:, None, None].expand(batch, 1, vocab)
-    p_last = p.gather(1, rows_idx)[:, 0]
-    rejected = num_accepted < n
-    if num_drafts > 0:
-        last = num_accepted.clamp(max=num_drafts - 1)
-        if q is None:
-            q_last = torch.zeros_like(p_last).scatter_(
-                -1, drafts.gather(1, last[:, None]), 1.0)
-        else:
-            q_last = q.gather(1, last[:, None, None].expand(batch, 1, vocab))[:, 0]
-        residual = (p_last - q_last).clamp(min=0)  # NaN stays NaN and never wins the race
-        has_mass = (residual > 0).any(-1)  # no mass left: fall back to p
-        use_residual = (rejected & has_mass & ~greedy[:, 0])[:, None]
-        weights = torch.where(use_residual, residual, p_last)
-    else:
-        weights = p_last
+    num_accepted, weights = chain_outcome(p, q, drafts, valid, temperature == 0, u)
     noise = race_noise(seed, offset, num_accepted, _rng.PURPOSE_RESAMPLE, vocab)
     final_token = race(weights, noise)
 
