@@ -1,0 +1,106 @@
+"""Philox-4x32-10 in Triton, bit for bit the stream of ``specdec_kernels._rng``.
+
+Key ``(seed_lo, seed_hi)``, counter ``(index, position | purpose << 16, offset_lo, offset_hi)``,
+word 0 of the output. All arithmetic is uint32 (``tl.umulhi`` for the high half of the
+32x32 products), so the words equal the int64 emulation of the reference exactly; the float
+conversions below are exact too (24-bit integers times a power of two). Only ``exponential``
+goes through ``log``, whose last-ulp rounding may differ between backends.
+"""
+import triton
+import triton.language as tl
+
+PHILOX_M0: tl.constexpr = 0xD2511F53
+PHILOX_M1: tl.constexpr = 0xCD9E8D57
+PHILOX_W0: tl.constexpr = 0x9E3779B9
+PHILOX_W1: tl.constexpr = 0xBB67AE85
+
+PURPOSE_ACCEPT: tl.constexpr = 0
+PURPOSE_RESAMPLE: tl.constexpr = 1
+PURPOSE_SAMPLE: tl.constexpr = 2
+
+
+@triton.jit
+def split_u64(value):
+    """int64 scalar or tensor -> (low, high) uint32 words (two's complement, as ``_rng.py``)."""
+    lo = (value & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((value >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return lo, hi
+
+
+@triton.jit
+def philox_word0(c0, c1, c2, c3, k0, k1):
+    """Word 0 of Philox-4x32-10; every argument uint32 (scalars broadcast against ``c0``)."""
+    m0 = tl.full([], PHILOX_M0, tl.uint32)
+    m1 = tl.full([], PHILOX_M1, tl.uint32)
+    w0 = tl.full([], PHILOX_W0, tl.uint32)
+    w1 = tl.full([], PHILOX_W1, tl.uint32)
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, m0)
+        lo0 = c0 * m0
+        hi1 = tl.umulhi(c2, m1)
+        lo1 = c2 * m1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + w0
+        k1 = k1 + w1
+    return c0
+
+
+@triton.jit
+def random_word(seed, offset, position, purpose: tl.constexpr, index):
+    """Word 0 for ``(seed, offset)`` int64 scalars, ``position`` int scalar (< 2**16) and
+    ``index`` an int tensor (the vocabulary index; 0 for per-draft uniforms)."""
+    k0, k1 = split_u64(seed.to(tl.int64))
+    c2, c3 = split_u64(offset.to(tl.int64))
+    c1 = ((position.to(tl.int64) & 0xFFFF) | (purpose << 16)).to(tl.uint32)
+    c0 = (index.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
+    return philox_word0(c0, c1 + tl.zeros_like(c0), c2 + tl.zeros_like(c0),
+                        c3 + tl.zeros_like(c0), k0, k1)
+
+
+@triton.jit
+def uniform(seed, offset, position, purpose: tl.constexpr, index):
+    """float32 in [0, 1), an exact multiple of 2**-24: ``(word >> 8) * 2**-24``."""
+    word = random_word(seed, offset, position, purpose, index)
+    return (word >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def exponential(seed, offset, position, purpose: tl.constexpr, index):
+    """float32 Exp(1) noise ``-log(1 - u)``: finite, 0 only when u == 0."""
+    u = uniform(seed, offset, position, purpose, index)
+    return -tl.log(1.0 - u)
+
+
+@triton.jit
+def _uniform_test_kernel(seed_ptr, offset_ptr, position_ptr, index_ptr, word_ptr, u_ptr, e_ptr,
+                         n, PURPOSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Testing hook: per element i, the word, uniform and exponential of
+    (seed[i], offset[i], position[i], PURPOSE, index[i]). Reads 32 B, writes 12 B per element."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    seed = tl.load(seed_ptr + i, mask=mask, other=0)
+    offset = tl.load(offset_ptr + i, mask=mask, other=0)
+    position = tl.load(position_ptr + i, mask=mask, other=0)
+    index = tl.load(index_ptr + i, mask=mask, other=0)
+    k0, k1 = split_u64(seed)
+    c2, c3 = split_u64(offset)
+    c1 = ((position & 0xFFFF) | (PURPOSE << 16)).to(tl.uint32)
+    c0 = (index & 0xFFFFFFFF).to(tl.uint32)
+    word = philox_word0(c0, c1, c2, c3, k0, k1)
+    u = (word >> 8).to(tl.float32) * 5.9604644775390625e-08
+    tl.store(word_ptr + i, word.to(tl.int64), mask=mask)
+    tl.store(u_ptr + i, u, mask=mask)
+    tl.store(e_ptr + i, -tl.log(1.0 - u), mask=mask)
+
+
+def philox_reference_check(seed, offset, position, index, purpose: int):
+    """Launcher of the testing hook: int64 ``[n]`` tensors -> (words int64, uniforms, exponentials)."""
+    import torch
+    n = seed.numel()
+    word = torch.empty(n, dtype=torch.int64, device=seed.device)
+    u = torch.empty(n, dtype=torch.float32, device=seed.device)
+    e = torch.empty(n, dtype=torch.float32, device=seed.device)
+    block = 256
+    _uniform_test_kernel[(triton.cdiv(n, block),)](seed, offset, position, index, word, u, e, n,
+                                                   PURPOSE=purpose, BLOCK=block)
+    return word, u, e

@@ -1,0 +1,536 @@
+"""Fused sampling kernels: per-row statistics of the processed target distribution, the
+exponential race that draws one token per request, and ``sample``.
+
+A row of logits ``x`` (any of fp32/bf16/fp16, read in its own dtype) is described by four
+numbers, so no probability tensor is ever materialised:
+
+* ``x_max``   the largest finite logit (NaN and +-inf count as -inf);
+* ``x_thr``   the top-k/top-p cut: token i is kept iff ``x_i >= x_thr`` (``-inf``: no cut);
+* ``norm``    ``sum(exp(z_i))`` over the kept tokens, ``z_i = (x_i - x_max) / T``;
+* ``argmax``  the lowest token id among the largest logits (greedy rows).
+
+so ``p_i = exp(z_i) / norm`` for kept tokens and 0 otherwise. Because top-k and top-p are both
+monotone in ``z`` (and ``z`` in ``x``), the kept set is always ``{x >= x_thr}`` for a value
+``x_thr`` that is itself a logit of the row: the thresholds are found by a multi-pivot search
+over the order-preserving integer keys of the logits (no sort), see ``_pivot_pass``.
+
+Rounding differs from the reference only in the last ulp of ``norm`` (summation order), of
+``z`` (``* (1/T)`` instead of ``/ T``) and of ``exp``/``log``; tokens differ only when a
+decision falls within that rounding of its threshold (measured in the tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._rng import PURPOSE_RESAMPLE, PURPOSE_SAMPLE
+from . import _rng as trng
+
+# Pivots per search pass: each pass narrows the key interval by NUM_PIVOTS + 1.
+NUM_PIVOTS = 16
+FLT_MAX = 3.4028234663852886e38
+
+# Q modes of the race kernel (what the residual max(p - q, 0) subtracts).
+Q_NONE, Q_ONE_HOT, Q_PROBS, Q_LOGITS = 0, 1, 2, 3
+
+# Keys of bf16 / fp16 logits widened to fp32 have this many trailing zero bits: dropping them
+# makes the search interval (and the number of passes) smaller without losing any order.
+_KEY_SHIFT = {torch.float32: 0, torch.bfloat16: 16, torch.float16: 13}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def load_logits(ptr, offs, mask):
+    """Logits as float32 with NaN and +-inf mapped to -inf (never sampled)."""
+    x = tl.load(ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    finite = (x == x) & (tl.abs(x) < float("inf"))
+    return tl.where(finite, x, float("-inf"))
+
+
+@triton.jit
+def inverse_temperature(temperature):
+    """1/T (1 for greedy rows, whose z is x - x_max as in the reference), clamped so that a
+    denormal T never turns 0 * (1/T) into NaN."""
+    greedy = temperature == 0.0
+    safe = tl.where(greedy, 1.0, temperature)
+    inv = tl.math.div_rn(tl.full([], 1.0, tl.float32) + tl.zeros_like(safe), safe)
+    return tl.where(greedy, 1.0, tl.minimum(inv, FLT_MAX))
+
+
+@triton.jit
+def processed_prob(x, x_max, x_thr, norm, inv_t):
+    """p(x) of a row described by (x_max, x_thr, norm) for sanitised float32 logits ``x``."""
+    kept = (x > float("-inf")) & (x >= x_thr)
+    e = tl.exp((x - x_max) * inv_t)
+    return tl.where(kept, tl.math.div_rn(tl.where(kept, e, 0.0), norm), 0.0)
+
+
+@triton.jit
+def _sort_key(x, KEY_SHIFT: tl.constexpr):
+    """Order-preserving int32 key of float32 ``x`` (-0.0 and +0.0 share key 0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(x == 0.0, 0, key)
+    return key >> KEY_SHIFT
+
+
+@triton.jit
+def _key_value(key, KEY_SHIFT: tl.constexpr):
+    """Inverse of ``_sort_key``: the float32 value whose key is ``key``."""
+    key = key.to(tl.int32)
+    low = tl.where(key < 0, (1 << KEY_SHIFT) - 1, 0)
+    k32 = (key << KEY_SHIFT) | low
+    bits = tl.where(k32 < 0, k32 ^ 0x7FFFFFFF, k32)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pivot_pass(row_ptr, V, x_max, inv_t, floor_key, lo, hi,
+                KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """One pass over the row evaluating NUM_PIVOTS keys spread over ``(lo, hi]`` at once.
+
+    Returns the pivots (int64) and, for each, the count and the mass ``sum(exp(z))`` of the
+    finite tokens with ``key >= pivot`` and ``key >= floor_key``. Both are non-increasing in
+    the pivot (the same reduction tree adds non-negative terms), which the search relies on.
+    """
+    steps = tl.arange(0, NUM_PIVOTS).to(tl.int64) + 1
+    span = hi - lo
+    pivots = lo + (span * steps + NUM_PIVOTS) // (NUM_PIVOTS + 1)  # ceil: in (lo, hi]
+    pivots32 = pivots.to(tl.int32)
+    count = tl.zeros([NUM_PIVOTS], tl.float32)
+    mass = tl.zeros([NUM_PIVOTS], tl.float32)
+    for start in range(0, V, BLOCK_S):
+        offs = start + tl.arange(0, BLOCK_S)
+        x = load_logits(row_ptr, offs, offs < V)
+        key = _sort_key(x, KEY_SHIFT)
+        live = (x > float("-inf")) & (key >= floor_key)
+        e = tl.where(live, tl.exp((x - x_max) * inv_t), 0.0)
+        above = (key[:, None] >= pivots32[None, :]) & live[:, None]
+        count += tl.sum(above.to(tl.float32), axis=0)
+        mass += tl.sum(tl.where(above, e[:, None], 0.0), axis=0)
+    return pivots, count, mass
+
+
+@triton.jit
+def _search(row_ptr, V, x_max, inv_t, lo, hi, lo_count, lo_mass, target, BY_MASS: tl.constexpr,
+            KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """The largest key ``t`` in ``[lo, hi]`` whose kept set ``{key >= t}`` still has count
+    (top-k) or mass (top-p) ``>= target``, given that ``lo`` qualifies. Returns ``t`` and the
+    count and mass of its kept set. Each pass shrinks the interval by NUM_PIVOTS + 1."""
+    floor_key = lo.to(tl.int32)
+    while lo < hi:
+        pivots, count, mass = _pivot_pass(row_ptr, V, x_max, inv_t, floor_key, lo, hi,
+                                          KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+        if BY_MASS:
+            ok = mass >= target
+        else:
+            ok = count >= target
+        # ok is a prefix of the pivots: lo moves to the last qualifying pivot, hi below the
+        # first one that fails.
+        new_lo = tl.max(tl.where(ok, pivots, lo), axis=0)
+        new_hi = tl.min(tl.where(ok, hi, pivots - 1), axis=0)
+        lo_count = tl.min(tl.where(ok, count, lo_count), axis=0)
+        lo_mass = tl.min(tl.where(ok, mass, lo_mass), axis=0)
+        lo = new_lo
+        hi = new_hi
+    return lo, lo_count, lo_mass
+
+
+# ----------------------------------------------------------------------------- row statistics
+
+@triton.jit
+def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
+                      temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, V,
+                      USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """Per-row statistics of the processed distribution; one program per row.
+
+    Bytes: reads V * elem_size once per row (online max, arg-max, sum-exp, finite count/min),
+    plus V * elem_size per pivot pass for a row whose top-k or top-p is active
+    (~log_17(key span) passes each, <= 4 for bf16, <= 8 for fp32); rows with the filters off
+    (and greedy rows) do no pass beyond the first. Writes 16 B per row (3 float32 + 1 int32).
+    """
+    r = tl.program_id(0)
+    req = r // rows_per_req
+    row_ptr = logits_ptr + req.to(tl.int64) * stride_req + (r % rows_per_req).to(tl.int64) * stride_row
+    temperature = tl.load(temperature_ptr + req)
+    greedy = temperature == 0.0
+    inv_t = inverse_temperature(temperature)
+
+    x_max = tl.full([], float("-inf"), tl.float32)
+    x_min = tl.full([], float("inf"), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    num_finite = tl.full([], 0, tl.int32)
+    best = tl.full([], 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = load_logits(row_ptr, offs, offs < V)
+        finite = x > float("-inf")
+        block_max = tl.max(x, axis=0)
+        block_arg = tl.min(tl.where(x == block_max, offs, V), axis=0)
+        best = tl.where(block_max > x_max, block_arg, best)  # earlier block wins ties
+        new_max = tl.maximum(x_max, block_max)
+        rescale = tl.where(x_max == new_max, 1.0, tl.exp((x_max - new_max) * inv_t))
+        e = tl.where(finite, tl.exp((x - new_max) * inv_t), 0.0)
+        total = total * rescale + tl.sum(e, axis=0)
+        x_max = new_max
+        x_min = tl.minimum(x_min, tl.min(tl.where(finite, x, float("inf")), axis=0))
+        num_finite += tl.sum(finite.to(tl.int32), axis=0)
+
+    has_finite = x_max > float("-inf")
+    # The kept set is {key >= lo}; lo starts at the smallest finite key (everything kept).
+    lo = _sort_key(tl.where(has_finite, x_min, 0.0), KEY_SHIFT).to(tl.int64)
+    lo_mass = total
+    lo_count = num_finite.to(tl.float32)
+    filtered = tl.full([], 0, tl.int1)
+    if USE_TOP_K:
+        top_k = tl.load(top_k_ptr + req)
+        if (~greedy) & (top_k > 0) & (top_k < V) & (num_finite > top_k):
+            hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
+            lo, lo_count, lo_mass = _search(row_ptr, V, x_max, inv_t, lo, hi, lo_count, lo_mass,
+                                            top_k.to(tl.float32), False,
+                                            KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+            filtered = tl.full([], 1, tl.int1)
+    if USE_TOP_P:
+        top_p = tl.load(top_p_ptr + req)
+        if (~greedy) & (top_p < 1.0) & has_finite:
+            hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
+            lo, lo_count, lo_mass = _search(row_ptr, V, x_max, inv_t, lo, hi, lo_count, lo_mass,
+                                            top_p * lo_mass, True,
+                                            KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+            filtered = tl.full([], 1, tl.int1)
+    x_thr = tl.where(filtered, _key_value(lo, KEY_SHIFT), float("-inf"))
+    tl.store(stats_ptr + r * 3 + 0, x_max)
+    tl.store(stats_ptr + r * 3 + 1, x_thr)
+    tl.store(stats_ptr + r * 3 + 2, lo_mass)
+    tl.store(argmax_ptr + r, best)
+
+
+# ----------------------------------------------------------------------------- the race
+
+@triton.jit
+def _better(score, index, best_score, best_index):
+    """Max score, lowest index among ties (scores are never NaN)."""
+    take = (score > best_score) | ((score == best_score) & (index < best_index))
+    return tl.where(take, score, best_score), tl.where(take, index, best_index)
+
+
+@triton.jit
+def _block_best(score, offs):
+    top = tl.max(score, axis=0)
+    return top, tl.min(tl.where(score == top, offs, 2147483647), axis=0)
+
+
+@triton.jit
+def _race_chunk(row_ptr, q_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
+                q_max, q_thr, q_norm, draft_token,
+                seed, offset, position, PURPOSE: tl.constexpr,
+                Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Exponential race over tokens [start_v, end_v) of one row: the best ``p_i / E_i`` and,
+    when RESIDUAL, the best ``max(p_i - q_i, 0) / E_i`` with whether that residual has mass
+    or a NaN. ``E_i`` is the Philox Exp(1) noise of token i."""
+    best_p = tl.full([], -1.0, tl.float32)
+    idx_p = tl.full([], 2147483647, tl.int32)
+    best_r = tl.full([], -1.0, tl.float32)
+    idx_r = tl.full([], 2147483647, tl.int32)
+    has_mass = tl.full([], 0, tl.int32)
+    has_nan = tl.full([], 0, tl.int32)
+    for start in range(start_v, end_v, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < end_v
+        x = load_logits(row_ptr, offs, mask)
+        p = processed_prob(x, x_max, x_thr, norm, inv_t)
+        noise = trng.exponential(seed, offset, position, PURPOSE, offs)
+        score = tl.where(p > 0, tl.math.div_rn(p, noise), -1.0)
+        top, arg = _block_best(score, offs)
+        best_p, idx_p = _better(top, arg, best_p, idx_p)
+        if RESIDUAL:
+            if Q_MODE == 1:
+                q = tl.where(offs == draft_token, 1.0, 0.0)
+            elif Q_MODE == 2:
+                q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                xq = load_logits(q_ptr, offs, mask)
+                q = processed_prob(xq, q_max, q_thr, q_norm, inv_t)
+            diff = p - q
+            has_nan = tl.maximum(has_nan, tl.max((diff != diff).to(tl.int32), axis=0))
+            residual = tl.where(diff > 0, diff, 0.0)
+            has_mass = tl.maximum(has_mass, tl.max((residual > 0).to(tl.int32), axis=0))
+            score_r = tl.where(residual > 0, tl.math.div_rn(residual, noise), -1.0)
+            top_r, arg_r = _block_best(score_r, offs)
+            best_r, idx_r = _better(top_r, arg_r, best_r, idx_r)
+    return best_p, idx_p, best_r, idx_r, has_mass, has_nan
+
+
+@triton.jit
+def _final_token(greedy, has_finite, argmax, use_residual, best_p, idx_p, best_r, idx_r,
+                 has_mass, has_nan):
+    """The emitted token: greedy arg-max; else the residual race when it has mass (a NaN in
+    the residual gives -1, as the reference's amax does); else the race over p. -1 when the
+    winning race had no positive weight. Always -1 or an index that was raced, so in [0, V)."""
+    token_p = tl.where(best_p >= 0, idx_p, -1)
+    token_r = tl.where(has_nan != 0, -1, tl.where(best_r >= 0, idx_r, -1))
+    token = tl.where(use_residual & (has_mass != 0), token_r, token_p)
+    return tl.where(greedy, tl.where(has_finite, argmax, -1), token)
+
+
+@triton.jit
+def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, argmax_ptr,
+                 q_ptr, stride_q_req, stride_q_row, q_stats_ptr,
+                 draft_ids_ptr, stride_ids, num_draft_ptr, num_accepted_ptr,
+                 temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
+                 part_score_ptr, part_index_ptr, V, K, chunk_size,
+                 PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
+                 NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """One correction/bonus (chain) or sample token per request; grid (B, NUM_CHUNKS), each
+    program races ``chunk_size`` tokens of the request's row ``num_accepted`` (chain) or 0.
+
+    Bytes per request: reads one target row (V * elem_size), plus one draft row (V * elem_size
+    of draft_probs / draft_logits) only when the request rejected a draft and is not greedy;
+    reads ~64 B of stats/ids/parameters per program; writes 4 B (NUM_CHUNKS == 1) or 24 B
+    of partial results per program. Compute: one Philox-4x32-10 per token (the noise).
+    """
+    req = tl.program_id(0)
+    chunk = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + req)
+    greedy = temperature == 0.0
+    inv_t = inverse_temperature(temperature)
+    seed = tl.load(seed_ptr + req)
+    offset = tl.load(offset_ptr + req)
+    if IS_CHAIN:
+        num_accepted = tl.load(num_accepted_ptr + req)
+        num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
+        rejected = num_accepted < num_draft
+    else:
+        num_accepted = tl.full([], 0, tl.int32)
+        rejected = tl.full([], 0, tl.int1)
+    row = req * rows_per_req + num_accepted
+    row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
+               + num_accepted.to(tl.int64) * stride_row)
+    x_max = tl.load(stats_ptr + row * 3 + 0)
+    x_thr = tl.load(stats_ptr + row * 3 + 1)
+    norm = tl.load(stats_ptr + row * 3 + 2)
+    start_v = chunk * chunk_size
+    end_v = tl.minimum(start_v + chunk_size, V)
+
+    use_residual = rejected & (~greedy)
+    # The draft distribution at the rejected position (reference: drafts[last], invalid -> 0).
+    last = tl.minimum(num_accepted, tl.maximum(K - 1, 0))
+    draft_token = tl.full([], 0, tl.int32)
+    q_row_ptr = q_ptr
+    q_max = tl.full([], 0.0, tl.float32)
+    q_thr = tl.full([], 0.0, tl.float32)
+    q_norm = tl.full([], 1.0, tl.float32)
+    if Q_MODE == 1:
+        d = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + last,
+                    mask=use_residual, other=0).to(tl.int64)
+        draft_token = tl.where((d >= 0) & (d < V), d, 0).to(tl.int32)
+    if Q_MODE >= 2:
+        q_row_ptr = q_ptr + req.to(tl.int64) * stride_q_req + last.to(tl.int64) * stride_q_row
+    if Q_MODE == 3:
+        q_row = req * K + last
+        q_max = tl.load(q_stats_ptr + q_row * 3 + 0, mask=use_residual, other=0.0)
+        q_thr = tl.load(q_stats_ptr + q_row * 3 + 1, mask=use_residual, other=0.0)
+        q_norm = tl.load(q_stats_ptr + q_row * 3 + 2, mask=use_residual, other=1.0)
+
+    best_p = tl.full([], -1.0, tl.float32)
+    idx_p = tl.full([], 2147483647, tl.int32)
+    best_r = tl.full([], -1.0, tl.float32)
+    idx_r = tl.full([], 2147483647, tl.int32)
+    has_mass = tl.full([], 0, tl.int32)
+    has_nan = tl.full([], 0, tl.int32)
+    if temperature != 0.0:  # greedy requests take the arg-max from the stats: no pass at all
+        if Q_MODE != 0:
+            if use_residual:
+                best_p, idx_p, best_r, idx_r, has_mass, has_nan = _race_chunk(
+                    row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
+                    q_max, q_thr, q_norm, draft_token, seed, offset, num_accepted, PURPOSE,
+                    Q_MODE, True, BLOCK)
+            else:
+                best_p, idx_p, best_r, idx_r, has_mass, has_nan = _race_chunk(
+                    row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
+                    q_max, q_thr, q_norm, draft_token, seed, offset, num_accepted, PURPOSE,
+                    Q_MODE, False, BLOCK)
+        else:
+            best_p, idx_p, best_r, idx_r, has_mass, has_nan = _race_chunk(
+                row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
+                q_max, q_thr, q_norm, draft_token, seed, offset, num_accepted, PURPOSE,
+                Q_MODE, False, BLOCK)
+
+    if NUM_CHUNKS == 1:
+        argmax = tl.load(argmax_ptr + row)
+        token = _final_token(greedy, x_max > float("-inf"), argmax, use_residual,
+                             best_p, idx_p, best_r, idx_r, has_mass, has_nan)
+        tl.store(out_ptr + req.to(tl.int64) * stride_out + num_accepted, token)
+    else:
+        part = req * NUM_CHUNKS + chunk
+        tl.store(part_score_ptr + part * 2 + 0, best_p)
+        tl.store(part_score_ptr + part * 2 + 1, best_r)
+        tl.store(part_index_ptr + part * 4 + 0, idx_p)
+        tl.store(part_index_ptr + part * 4 + 1, idx_r)
+        tl.store(part_index_ptr + part * 4 + 2, has_mass)
+        tl.store(part_index_ptr + part * 4 + 3, has_nan)
+
+
+@triton.jit
+def _race_reduce_kernel(stats_ptr, argmax_ptr, rows_per_req, num_draft_ptr, num_accepted_ptr,
+                        temperature_ptr, out_ptr, stride_out, part_score_ptr, part_index_ptr, K,
+                        IS_CHAIN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                        CHUNKS_P2: tl.constexpr):
+    """Combines the per-chunk race winners of one request (grid B), deterministically: max
+    score, lowest token id among ties (chunks are in token order).
+    Bytes per request: reads 24 * NUM_CHUNKS + ~24 B, writes 4 B."""
+    req = tl.program_id(0)
+    temperature = tl.load(temperature_ptr + req)
+    greedy = temperature == 0.0
+    if IS_CHAIN:
+        num_accepted = tl.load(num_accepted_ptr + req)
+        num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
+        rejected = num_accepted < num_draft
+    else:
+        num_accepted = tl.full([], 0, tl.int32)
+        rejected = tl.full([], 0, tl.int1)
+    row = req * rows_per_req + num_accepted
+    chunks = tl.arange(0, CHUNKS_P2)
+    valid = chunks < NUM_CHUNKS
+    part = req * NUM_CHUNKS + chunks
+    score_p = tl.load(part_score_ptr + part * 2 + 0, mask=valid, other=-2.0)
+    score_r = tl.load(part_score_ptr + part * 2 + 1, mask=valid, other=-2.0)
+    idx_p = tl.load(part_index_ptr + part * 4 + 0, mask=valid, other=2147483647)
+    idx_r = tl.load(part_index_ptr + part * 4 + 1, mask=valid, other=2147483647)
+    has_mass = tl.max(tl.load(part_index_ptr + part * 4 + 2, mask=valid, other=0), axis=0)
+    has_nan = tl.max(tl.load(part_index_ptr + part * 4 + 3, mask=valid, other=0), axis=0)
+    best_p, arg_p = _block_best(score_p, idx_p)
+    best_r, arg_r = _block_best(score_r, idx_r)
+    x_max = tl.load(stats_ptr + row * 3 + 0)
+    argmax = tl.load(argmax_ptr + row)
+    token = _final_token(greedy, x_max > float("-inf"), argmax, rejected & (~greedy),
+                         best_p, arg_p, best_r, arg_r, has_mass, has_nan)
+    tl.store(out_ptr + req.to(tl.int64) * stride_out + num_accepted, token)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _interpreted(device: torch.device) -> bool:
+    return device.type != "cuda"
+
+
+def block_size(vocab: int, device: torch.device, cap_gpu: int = 2048, cap_cpu: int = 8192) -> int:
+    """A power of two covering V up to a cap: no huge padded blocks for small V."""
+    cap = cap_cpu if _interpreted(device) else cap_gpu
+    return max(16, min(triton.next_power_of_2(vocab), cap))
+
+
+def _search_block(vocab: int, device: torch.device) -> int:
+    return max(16, min(triton.next_power_of_2(vocab), 1024 if _interpreted(device) else 256))
+
+
+def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
+              stride_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch ``_row_stats_kernel`` over ``rows`` = numel / V rows of ``logits`` (``[..., V]``,
+    last dim contiguous), request ``row // rows_per_req``. Returns (stats float32 [rows, 3],
+    argmax int32 [rows])."""
+    vocab = logits.shape[-1]
+    rows = logits.numel() // vocab
+    stats = torch.empty((rows, 3), dtype=torch.float32, device=logits.device)
+    argmax = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    if rows == 0:
+        return stats, argmax
+    interp = _interpreted(logits.device)
+    _row_stats_kernel[(rows,)](
+        logits, stride_req, stride_row, rows_per_req,
+        params.temperature, params.top_k, params.top_p, stats, argmax, vocab,
+        USE_TOP_K=bool(params.uses_top_k) and not params.all_greedy,
+        USE_TOP_P=bool(params.uses_top_p) and not params.all_greedy,
+        KEY_SHIFT=_KEY_SHIFT[logits.dtype],
+        BLOCK=block_size(vocab, logits.device), BLOCK_S=_search_block(vocab, logits.device),
+        NUM_PIVOTS=NUM_PIVOTS, num_warps=1 if interp else 8)
+    return stats, argmax
+
+
+# Tests set this to force the split-V path of the race on small vocabularies.
+RACE_CHUNK_OVERRIDE: int | None = None
+
+
+def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
+    """(chunk_size, num_chunks) for the race: enough programs to fill the GPU when B is small."""
+    block = block_size(vocab, device)
+    if RACE_CHUNK_OVERRIDE is not None:
+        chunk = RACE_CHUNK_OVERRIDE
+    elif _interpreted(device):
+        chunk = vocab
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = max(1, (4 * sms + batch - 1) // batch)
+        chunk = max(4 * block, triton.cdiv(vocab, want))
+    chunk = triton.cdiv(max(chunk, 1), block) * block
+    return chunk, triton.cdiv(vocab, chunk)
+
+
+def _dummy(device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: int,
+         stats: torch.Tensor, argmax: torch.Tensor, params, seeds: torch.Tensor,
+         offsets: torch.Tensor, out: torch.Tensor, stride_out: int, *, purpose: int,
+         q: torch.Tensor | None = None, q_mode: int = Q_NONE, q_strides=(0, 0),
+         q_stats: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None,
+         num_draft: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None,
+         num_drafts: int = 0) -> None:
+    """Launch the race (and its reduction when V is split); writes
+    ``out[b * stride_out + (num_accepted[b] or 0)]``."""
+    batch = params.temperature.shape[0]
+    vocab = logits.shape[-1]
+    device = logits.device
+    if batch == 0:
+        return
+    chunk, num_chunks = race_chunks(batch, vocab, device)
+    is_chain = num_accepted is not None
+    dummy_f, dummy_i = _dummy(device), _dummy(device, torch.int32)
+    part_score = torch.empty((batch, num_chunks, 2), dtype=torch.float32, device=device) \
+        if num_chunks > 1 else dummy_f
+    part_index = torch.empty((batch, num_chunks, 4), dtype=torch.int32, device=device) \
+        if num_chunks > 1 else dummy_i
+    interp = _interpreted(device)
+    _race_kernel[(batch, num_chunks)](
+        logits, stride_req, stride_row, rows_per_req, stats, argmax,
+        q if q is not None else dummy_f, q_strides[0], q_strides[1],
+        q_stats if q_stats is not None else dummy_f,
+        draft_ids if draft_ids is not None else dummy_i,
+        draft_ids.stride(0) if draft_ids is not None else 0,
+        num_draft if num_draft is not None else dummy_i,
+        num_accepted if num_accepted is not None else dummy_i,
+        params.temperature, seeds, offsets, out, stride_out, part_score, part_index,
+        vocab, num_drafts, chunk,
+        PURPOSE=purpose, IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=num_chunks,
+        BLOCK=block_size(vocab, device, cap_gpu=1024), num_warps=1 if interp else 4)
+    if num_chunks > 1:
+        _race_reduce_kernel[(batch,)](
+            stats, argmax, rows_per_req,
+            num_draft if num_draft is not None else dummy_i,
+            num_accepted if num_accepted is not None else dummy_i,
+            params.temperature, out, stride_out, part_score, part_index, num_drafts,
+            IS_CHAIN=is_chain, NUM_CHUNKS=num_chunks,
+            CHUNKS_P2=triton.next_power_of_2(num_chunks), num_warps=1)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def sample(logits: torch.Tensor, params, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B]``: one token per row of ``logits`` ``[B, V]`` from the processed distribution
+    (-1 for a row with no finite logit). Two launches (stats, race) plus the reduction when
+    V is split; no host synchronisation."""
+    logits = _last_dim_contiguous(logits)
+    batch, vocab = logits.shape
+    out = torch.empty(batch, dtype=torch.int32, device=logits.device)
+    if batch == 0:
+        return out
+    stats, argmax = row_stats(logits, params, 1, logits.stride(0), 0)
+    race(logits, logits.stride(0), 0, 1, stats, argmax, params, seeds, offsets, out, 1,
+         purpose=PURPOSE_SAMPLE)
+    return out
