@@ -6,8 +6,12 @@ See CONTRACT.md (shared) and README.md.
 """
 from .sampling import processed_probs, sample
 from .chain import ChainVerifyOutput, verify_chain
+from .tree_attention import TreeAttention, build_tree_attention
+from .kv_cache import compact_kv_cache, compact_paged_kv_cache
 
 __all__ = [
     "processed_probs", "sample",
     "ChainVerifyOutput", "verify_chain",
+    "TreeAttention", "build_tree_attention",
+    "compact_kv_cache", "compact_paged_kv_cache",
 ]

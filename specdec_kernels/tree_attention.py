@@ -1,0 +1,143 @@
+"""Tree-attention metadata (contract section 5): what an attention kernel needs to verify a
+draft tree in one forward pass."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import _extension
+from ._params import INDEX_DTYPES, check_tensor
+from .reference import tree_attention as _reference
+from .reference.tree_attention import TreeAttention
+
+__all__ = ["TreeAttention", "build_tree_attention"]
+
+PerRequestInt = Union[int, torch.Tensor, None]
+
+
+def _per_request(value: PerRequestInt, name: str, batch: int,
+                 device: torch.device) -> Optional[torch.Tensor]:
+    """None, an int (broadcast) or a ``[batch]`` int tensor; moved to ``device``."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        check_tensor(value, name, dtypes=INDEX_DTYPES)
+        if value.dim() == 0:
+            value = value.reshape(1).expand(batch)
+        if value.shape != (batch,):
+            raise ValueError(f"{name}: expected an int or a [{batch}] tensor (one per request), "
+                             f"got shape {list(value.shape)}")
+        return value.to(device).contiguous()
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int or an int tensor, got {type(value).__name__}")
+    return torch.full((batch,), value, dtype=torch.int64, device=device)
+
+
+def _first(bad: torch.Tensor) -> int:
+    """Index of the first True of a 1-D bool tensor."""
+    return int(bad.nonzero()[0, 0].item())
+
+
+def _validate(parents: torch.Tensor, num_nodes: Optional[torch.Tensor],
+              prefix_lens: Optional[torch.Tensor]) -> None:
+    """Value checks with one synchronisation; a failure raises naming the first bad request."""
+    batch, n = parents.shape
+    device = parents.device
+    nodes = torch.arange(n, device=device)
+    count = (torch.full((batch,), n, dtype=torch.int64, device=device)
+             if num_nodes is None else num_nodes.to(torch.int64))
+    parent = parents.to(torch.int64)
+    bad_count = (count < 1) | (count > n)
+    bad_root = parent[:, 0] != -1
+    bad_edge = (((parent < 0) | (parent >= nodes)) & (nodes > 0)
+                & (nodes[None, :] < count[:, None]))  # [B, N]
+    bad_prefix = (prefix_lens < 0 if prefix_lens is not None
+                  else torch.zeros(batch, dtype=torch.bool, device=device))
+    failed = torch.stack([bad_count.any(), bad_root.any(), bad_edge.any(),
+                          bad_prefix.any()]).tolist()
+    if failed[0]:
+        b = _first(bad_count)
+        raise ValueError(f"num_nodes: expected values in [1, {n}] (N), got {count[b].item()} "
+                         f"for request {b}")
+    if failed[1]:
+        b = _first(bad_root)
+        raise ValueError(f"parents: expected parents[b, 0] == -1 (node 0 is the root), got "
+                         f"{parent[b, 0].item()} for request {b}")
+    if failed[2]:
+        b = _first(bad_edge.any(1))
+        i = _first(bad_edge[b])
+        value = parent[b, i].item()
+        kind = "a cycle or forward edge" if value >= i else "a node without a parent"
+        raise ValueError(f"parents: not a tree: expected 0 <= parents[b, i] < i for every real "
+                         f"node i >= 1 (parents before children), got parents[{b}, {i}] = "
+                         f"{value} ({kind})")
+    if failed[3]:
+        b = _first(bad_prefix)
+        raise ValueError(f"prefix_lens: expected values >= 0, got {prefix_lens[b].item()} for "
+                         f"request {b}")
+
+
+def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = None,
+                         prefix_lens: PerRequestInt = None, backend: str = "auto",
+                         validate: bool = True) -> TreeAttention:
+    r"""Attention mask, bit-packed mask, depth and position ids of a batch of draft trees.
+
+    Node ``j`` is visible to node ``i`` iff ``j`` is ``i`` or one of its ancestors. Padding
+    nodes (``>= num_nodes[b]``) see only themselves (no attention row is empty), have depth 0
+    and position id ``prefix_lens[b]``.
+
+    Args:
+        parents: the parent of each node: ``parents[b, 0] == -1`` and
+            ``0 <= parents[b, i] < i`` for real nodes; padding entries are ignored.
+            Shape ``(batch_size, num_nodes)``; int32 or int64.
+        num_nodes: int or ``(batch_size,)`` int tensor in ``1..N``: nodes ``>= num_nodes[b]``
+            are padding. Default: every node is real.
+        prefix_lens: int or ``(batch_size,)`` int tensor ``>= 0``: committed tokens before the
+            root (the root's position). Default 0.
+        backend: ``"auto"`` (the compiled extension when built, else the reference),
+            ``"extension"`` or ``"reference"``.
+        validate: check the values of ``parents``, ``num_nodes`` and ``prefix_lens`` (one
+            device synchronisation). Shapes and dtypes are always checked.
+
+    Returns:
+        TreeAttention(mask, packed_mask, depth, position_ids), on ``parents``' device:
+
+        * ``mask``: Shape ``(batch_size, N, N)``; bool.
+        * ``packed_mask``: Shape ``(batch_size, N, ceil(N / 32))``; int32. Bit ``j % 32``
+          (least significant first) of word ``j // 32`` is ``mask[b, i, j]``.
+        * ``depth``: Shape ``(batch_size, N)``; int32, root 0.
+        * ``position_ids``: Shape ``(batch_size, N)``; int64, ``prefix_lens + depth``.
+
+    Raises:
+        TypeError: an argument of the wrong type or integer dtype.
+        ValueError: wrong shapes, or (``validate=True``) parents that are not a tree in
+            topological order, ``num_nodes`` outside ``[1, N]``, negative ``prefix_lens``.
+
+    Example:
+        >>> import torch
+        >>> from specdec_kernels import build_tree_attention
+        >>> parents = torch.tensor([[-1, 0, 0, 1]])   # 0 -> {1, 2}, 1 -> 3
+        >>> out = build_tree_attention(parents, prefix_lens=torch.tensor([10]))
+        >>> out.mask[0].int()
+        tensor([[1, 0, 0, 0],
+                [1, 1, 0, 0],
+                [1, 0, 1, 0],
+                [1, 1, 0, 1]], dtype=torch.int32)
+        >>> out.packed_mask[0, :, 0].tolist(), out.depth.tolist(), out.position_ids.tolist()
+        ([1, 3, 5, 11], [[0, 1, 1, 2]], [[10, 11, 11, 12]])
+    """
+    check_tensor(parents, "parents", ndim=2, dtypes=INDEX_DTYPES)
+    batch, n = parents.shape
+    if n < 1:
+        raise ValueError(f"parents: expected at least one node (the root), got shape "
+                         f"{list(parents.shape)}")
+    device = parents.device
+    num_nodes = _per_request(num_nodes, "num_nodes", batch, device)
+    prefix_lens = _per_request(prefix_lens, "prefix_lens", batch, device)
+    if validate:
+        _validate(parents, num_nodes, prefix_lens)
+    if _extension.use_extension("build_tree_attention", backend, device):
+        return TreeAttention(*torch.ops.specdec.build_tree_attention(
+            parents.contiguous(), num_nodes, prefix_lens))
+    return _reference.build_tree_attention(parents, num_nodes=num_nodes, prefix_lens=prefix_lens)
