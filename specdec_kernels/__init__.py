@@ -6,12 +6,14 @@ See CONTRACT.md (shared) and README.md.
 """
 from .sampling import processed_probs, sample
 from .chain import ChainVerifyOutput, verify_chain
+from .tree import TreeVerifyOutput, verify_tree
 from .tree_attention import TreeAttention, build_tree_attention
 from .kv_cache import compact_kv_cache, compact_paged_kv_cache
 
 __all__ = [
     "processed_probs", "sample",
     "ChainVerifyOutput", "verify_chain",
+    "TreeVerifyOutput", "verify_tree",
     "TreeAttention", "build_tree_attention",
     "compact_kv_cache", "compact_paged_kv_cache",
 ]

@@ -1,0 +1,148 @@
+"""Public tree verification (contract section 4)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _backend, _params, _rng
+from ._params import PerRequest
+from .reference import tree as _reference
+
+
+class TreeVerifyOutput(NamedTuple):
+    output_token_ids: torch.Tensor  # [B, N] int32: accepted path's tokens, correction/bonus, then -1
+    accepted_nodes: torch.Tensor    # [B, N] int32: root 0, the accepted nodes, then -1
+    num_accepted: torch.Tensor      # [B] int32: accepted draft nodes (root excluded)
+
+
+def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, parents: torch.Tensor,
+                *, draft_probs: Optional[torch.Tensor] = None, draft_sampling: str = "iid",
+                num_nodes: PerRequest = None, temperature: PerRequest = None,
+                top_k: PerRequest = None, top_p: PerRequest = None, seed: PerRequest = None,
+                offset: PerRequest = None, backend: str = "auto",
+                validate: bool = True) -> TreeVerifyOutput:
+    r"""Verify a batch of draft trees exactly (multi-draft speculative sampling).
+
+    From the root, at node ``u`` with processed target distribution ``p`` and children
+    ``x_1, x_2, ...`` in increasing node index:
+
+    * no ``draft_probs`` (deterministic candidates, e.g. top-k trees): accept child ``i`` if
+      ``u_i < p(x_i)``; on rejection remove ``x_i`` from ``p`` and renormalise;
+    * ``draft_sampling="iid"`` (children drawn independently from ``q``): accept if
+      ``u_i * q(x_i) < p(x_i)``; on rejection ``p <- norm(max(p - q, 0))`` (SpecInfer);
+    * ``draft_sampling="without_replacement"``: as i.i.d. with ``q_1 = q`` and
+      ``q_{i+1} = q_i`` with ``x_i`` removed and renormalised (recursive rejection sampling);
+    * greedy (``temperature == 0``): accept the first child whose token is ``argmax p``.
+
+    An accepted child becomes ``u``. When no child is accepted, one sample of the current
+    ``p`` is emitted (a correction); at a leaf, one sample of its ``p`` (a bonus). The emitted
+    tokens are distributed exactly as tokens sampled one by one from the processed target
+    distribution, and a chain-shaped tree gives exactly :func:`verify_chain`'s tokens for the
+    same ``seed`` and ``offset``.
+
+    Args:
+        target_logits: row ``i`` holds the target logits after the path root..i.
+            Shape ``(batch_size, num_nodes, vocab_size)``; dtype float32, bfloat16 or float16.
+        tree_token_ids: the token of each node (node 0's is ignored; padding may be ``-1``).
+            Shape ``(batch_size, num_nodes)``; int32 or int64.
+        parents: the parent of each node: ``parents[b, 0] == -1`` and
+            ``0 <= parents[b, i] < i`` for the real nodes. Shape ``(batch_size, num_nodes)``;
+            int32 or int64.
+        draft_probs: row ``i`` is the distribution node ``i``'s children were drawn from.
+            Shape ``(batch_size, num_nodes, vocab_size)``; float dtype. None: deterministic
+            candidates (``q`` one-hot at each drafted token).
+        draft_sampling: ``"iid"`` (with replacement) or ``"without_replacement"``; how the
+            children of a node were drawn from its ``draft_probs`` row.
+        num_nodes: int or ``(batch_size,)`` int tensor in ``1..N``: nodes ``>= num_nodes[b]``
+            are padding; default N.
+        temperature, top_k, top_p: per request, as in :func:`processed_probs`.
+        seed, offset: per request, as in :func:`sample`; acceptance uniforms use the tested
+            node's index, the correction/bonus noise the index of the node it is drawn from.
+        backend: ``"auto"`` (Triton for CUDA tensors, reference for CPU tensors),
+            ``"reference"`` or ``"triton"`` (CPU tensors need ``TRITON_INTERPRET=1``).
+        validate: check the tree, ids, lengths and parameter values (reads only those small
+            tensors, never the ``[.., V]`` ones).
+
+    Returns:
+        TreeVerifyOutput with
+        ``output_token_ids``: Shape ``(batch_size, num_nodes)``; int32: the accepted path's
+        tokens (root excluded), one correction or bonus token, then ``-1``.
+        ``accepted_nodes``: Shape ``(batch_size, num_nodes)``; int32: node indices of the
+        accepted path, root 0 first, then ``-1`` (feeds :func:`compact_kv_cache`).
+        ``num_accepted``: Shape ``(batch_size,)``; int32; accepted draft nodes, root excluded:
+        the request emits ``num_accepted + 1`` tokens.
+
+    >>> import torch, specdec_kernels as sk
+    >>> logits = torch.tensor([[[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0],
+    ...                         [9.0, 0.0, 0.0]]])
+    >>> out = sk.verify_tree(logits, torch.tensor([[-1, 0, 1, 2]]), torch.tensor([[-1, 0, 0, 2]]),
+    ...                      temperature=0.0)
+    >>> out.output_token_ids, out.accepted_nodes, out.num_accepted
+    (tensor([[ 1,  2,  0, -1]], dtype=torch.int32), tensor([[ 0,  2,  3, -1]], dtype=torch.int32), tensor([2], dtype=torch.int32))
+    """
+    _params.check_tensor(target_logits, "target_logits", ndim=3, dtypes=_params.LOGIT_DTYPES)
+    batch, nodes, vocab = target_logits.shape
+    device = target_logits.device
+    if nodes < 1 or vocab < 1:
+        raise ValueError(f"target_logits: expected shape [B, N, V] with N >= 1 and V >= 1, "
+                         f"got {list(target_logits.shape)}")
+    if nodes > _rng.MAX_POSITION:
+        raise ValueError(f"target_logits: expected at most {_rng.MAX_POSITION} nodes (N), "
+                         f"got {nodes}")
+    for name, index in (("tree_token_ids", tree_token_ids), ("parents", parents)):
+        _params.check_tensor(index, name, dtypes=_params.INDEX_DTYPES, device=device)
+        _params.check_shape(index, name, [batch, nodes], "[B, N] from target_logits [B, N, V]")
+    if not isinstance(draft_sampling, str) or draft_sampling not in _reference.DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling: expected one of {_reference.DRAFT_SAMPLING}, "
+                         f"got {draft_sampling!r}")
+    if draft_probs is not None:
+        _params.check_tensor(draft_probs, "draft_probs",
+                             dtypes=_params.LOGIT_DTYPES + (torch.float64,), device=device)
+        _params.check_shape(draft_probs, "draft_probs", [batch, nodes, vocab],
+                            "[B, N, V] like target_logits")
+    params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
+                                     device=device, validate=validate)
+    n = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int64, nodes)
+    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    if validate:
+        _check_tree_values(tree_token_ids, parents, n, nodes, vocab)
+    n = n.to(torch.int32)
+
+    if _backend.resolve(backend, device) == "triton":
+        from .triton import tree as _triton
+        out, path, accepted = _triton.verify_tree(target_logits, tree_token_ids, parents,
+                                                  draft_probs, draft_sampling, n, params,
+                                                  seeds, offsets)
+    else:
+        out, path, accepted = _reference.verify_tree(
+            target_logits, tree_token_ids, parents, draft_probs, draft_sampling, n,
+            params.temperature, params.top_k, params.top_p, seeds, offsets)
+    return TreeVerifyOutput(out, path, accepted)
+
+
+def _check_tree_values(tree_token_ids: torch.Tensor, parents: torch.Tensor, n: torch.Tensor,
+                       nodes: int, vocab: int) -> None:
+    bad = (n < 1) | (n > nodes)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(f"num_nodes: expected values in 1..{nodes} (N, the root counts), "
+                         f"got {int(n[b])} for request {b}")
+    par = parents.to(torch.int64)
+    if bool((par[:, 0] != -1).any()):
+        b = int((par[:, 0] != -1).nonzero()[0, 0])
+        raise ValueError(f"parents: expected -1 for the root (parents[b, 0]), "
+                         f"got {int(par[b, 0])} for request {b}")
+    index = torch.arange(nodes, device=par.device)
+    live = (index < n[:, None]) & (index > 0)
+    not_tree = live & ((par < 0) | (par >= index))
+    if bool(not_tree.any()):
+        b, i = (int(x) for x in not_tree.nonzero()[0])
+        raise ValueError(f"parents: expected a tree, 0 <= parents[b, i] < i for the real nodes "
+                         f"(i < num_nodes[b]), got parents[{b}, {i}] = {int(par[b, i])}")
+    ids = tree_token_ids.to(torch.int64)
+    out_of_range = live & ((ids < 0) | (ids >= vocab))
+    if bool(out_of_range.any()):
+        b, i = (int(x) for x in out_of_range.nonzero()[0])
+        raise ValueError(f"tree_token_ids: expected ids in [0, {vocab}) for the real non-root "
+                         f"nodes, got {int(ids[b, i])} at [{b}, {i}]")
