@@ -1,0 +1,162 @@
+"""Chain verification: ``verify_chain`` against the unfused and vLLM-style pipelines and FlashInfer.
+
+Modes: ``onehot`` (no draft distribution: an n-gram or greedy drafter), ``draft_probs``
+(fp32 ``[B, K, V]`` draft probabilities), ``draft_logits`` (draft logits in the target dtype)
+and ``greedy`` (temperature 0, one-hot drafts). Sampled modes use temperature 1.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import baselines
+from ..harness import Case, Impl, Skip, torch_dtype
+from . import triton_backend_available
+
+OP = "chain"
+SPEEDUP_BASELINE = "torch_unfused"  # the speedup column divides this backend's time by ours
+
+BYTES_FORMULA = (
+    "B*(K+1)*V*s  (each target logit read once in its dtype, s = 2 for bf16, 4 for fp32)"
+    " + B*K*4  (draft ids, int32)"
+    " + draft_probs: B*K*4 (the gathered q(d)) + B*V*4 (one fp32 draft row per request for the residual)"
+    " | draft_logits: B*K*V*s (every draft row, its softmax statistics are needed)"
+    " | onehot/greedy: 0"
+    " + B*(K+1)*4 + B*4  (output ids and num_accepted, int32)"
+    " + B*20  (seed, offset int64 and temperature fp32 per request)")
+
+SAMPLED_TEMPERATURE = 1.0
+
+
+def min_bytes(case: Case) -> int:
+    b, k, v = case.params["B"], case.params["K"], case.params["V"]
+    s = torch.empty((), dtype=torch_dtype(case.dtype)).element_size()
+    total = b * (k + 1) * v * s + b * k * 4 + b * (k + 1) * 4 + b * 4 + b * 20
+    if case.mode == "draft_probs":
+        total += b * k * 4 + b * v * 4
+    elif case.mode == "draft_logits":
+        total += b * k * v * s
+    return total
+
+
+def _case(b, k, v, dtype, mode, skip=()):
+    return Case(OP, {"B": b, "K": k, "V": v}, dtype, mode, tuple(skip))
+
+
+def cases(device: torch.device, preset: str) -> list[Case]:
+    if preset == "quick":
+        return [_case(b, 2, 1000, "fp32", m) for b in (1, 4) for m in ("onehot", "draft_probs")] + \
+               [_case(4, 2, 1000, "bf16", "greedy")]
+    if preset == "cpu":
+        # A subset of the issue-2 sweep that the reference path gets through in a few minutes.
+        out = [_case(b, 4, 32000, "bf16", m) for b in (1, 8, 64) for m in ("onehot", "draft_probs")]
+        out += [_case(8, 4, v, dt, "draft_probs") for v in (128256, 151936) for dt in ("bf16", "fp32")]
+        out += [_case(8, 4, 32000, "fp32", "draft_probs"), _case(8, 4, 128256, "bf16", "greedy"),
+                _case(8, 1, 128256, "bf16", "draft_probs"), _case(8, 8, 128256, "bf16", "draft_probs")]
+        return out
+    if preset == "gpu_check":
+        # The fixed shapes of bench/gpu_check.sh: latency against batch at the issue-2 shape,
+        # roofline against vocabulary, K, fp32 and the modes at the target B=64, K=4, V=128256.
+        slow = ("reference",)
+        out = [_case(b, 4, 128256, "bf16", m, slow if b != 64 else ())
+               for b in (1, 8, 64, 256) for m in ("draft_probs", "onehot")]
+        out += [_case(64, 4, v, dt, "draft_probs", slow) for v in (32000, 151936) for dt in ("bf16",)]
+        out += [_case(64, 4, v, "fp32", "draft_probs", slow) for v in (32000, 128256, 151936)]
+        out += [_case(64, k, 128256, "bf16", "draft_probs", slow) for k in (1, 8)]
+        out += [_case(64, 4, 128256, "bf16", m, slow) for m in ("greedy", "draft_logits")]
+        return out
+    # "gpu": the full issue-2 sweep.
+    return [_case(b, k, v, dt, m, () if b <= 64 else ("reference",))
+            for dt in ("bf16", "fp32") for v in (32000, 128256, 151936) for k in (1, 4, 8)
+            for b in (1, 8, 64, 256) for m in ("draft_probs", "onehot")]
+
+
+def make_inputs(case: Case, device: torch.device) -> dict:
+    b, k, v = case.params["B"], case.params["K"], case.params["V"]
+    gen = torch.Generator(device=device).manual_seed(1234)
+    # Logit scale 3 gives a peaked but not one-hot distribution, like an LLM's.
+    target = (3 * torch.randn(b, k + 1, v, generator=gen, device=device)).to(torch_dtype(case.dtype))
+    inputs = {"target_logits": target,
+              "seed": torch.arange(b, dtype=torch.int64, device=device) + 17,
+              "offset": torch.zeros(b, dtype=torch.int64, device=device)}
+    # A draft that agrees with the target often: target logits plus noise.
+    draft_logits = target[:, :k].float() + torch.randn(b, k, v, generator=gen, device=device)
+    if case.mode == "draft_probs":
+        inputs["draft_probs"] = torch.softmax(draft_logits, dim=-1)
+    elif case.mode == "draft_logits":
+        inputs["draft_logits"] = draft_logits.to(torch_dtype(case.dtype))
+    inputs["draft_token_ids"] = draft_logits.argmax(-1).to(torch.int32)
+    del draft_logits
+    return inputs
+
+
+def _temperature(case: Case) -> float:
+    return 0.0 if case.mode == "greedy" else SAMPLED_TEMPERATURE
+
+
+def _ours(backend: str, case: Case):
+    import specdec_kernels as sk  # noqa: PLC0415 -- keep `python -m bench --help` light
+    temperature = _temperature(case)
+
+    def run(x):
+        return sk.verify_chain(x["target_logits"], x["draft_token_ids"],
+                               draft_probs=x.get("draft_probs"), draft_logits=x.get("draft_logits"),
+                               temperature=temperature, seed=x["seed"], offset=x["offset"],
+                               backend=backend, validate=False)
+    return run
+
+
+def implementations(case: Case, device: torch.device) -> list:
+    temperature = _temperature(case)
+    impls: list = []
+    ok, why = triton_backend_available(device, "chain")
+    impls.append(Impl("triton", _ours("triton", case), graphable=True) if ok
+                 else Skip("triton", why, kind="ours"))
+    impls.append(Impl("reference", _ours("reference", case),
+                      note="Philox noise over [B, V] in int64 torch ops"))
+
+    if case.mode == "draft_logits":
+        # The baselines take probabilities: their softmax of the draft is part of their cost.
+        def draft_q(x):
+            return torch.softmax(x["draft_logits"].float() / temperature, dim=-1)
+    else:
+        def draft_q(x):
+            return x.get("draft_probs")
+
+    impls.append(Impl("torch_unfused", lambda x: baselines.unfused_chain(
+        x["target_logits"], x["draft_token_ids"], draft_q(x), temperature),
+        kind="baseline", graphable=True, note="fp32 softmax, then torch ops"))
+
+    if temperature > 0:
+        impls.append(Impl("vllm_style", lambda x: baselines.vllm_style_chain(
+            x["target_logits"], x["draft_token_ids"], draft_q(x), temperature),
+            kind="baseline", graphable=True))
+        impls.append(Impl("vllm_style", lambda x: baselines.vllm_fp32_temperature(
+            x["target_logits"], temperature), kind="stage", stage="1_fp32_copy_temperature"))
+        impls.append(Impl("vllm_style", lambda y: baselines.vllm_statistics(y), kind="stage",
+                          stage="2_statistics", prepare=lambda x: baselines.vllm_fp32_temperature(
+                              x["target_logits"], temperature)))
+
+        def prepare_resample(x):
+            scaled = baselines.vllm_fp32_temperature(x["target_logits"], temperature)
+            return scaled, baselines.vllm_statistics(scaled), x["draft_token_ids"], draft_q(x)
+        impls.append(Impl("vllm_style", lambda y: baselines.vllm_accept_resample(*y),
+                          kind="stage", stage="3_accept_resample", prepare=prepare_resample))
+
+    if case.mode != "draft_probs":
+        impls.append(Skip("flashinfer", "chain_speculative_sampling needs draft_probs "
+                                        "(timed in mode draft_probs only)"))
+    elif device.type != "cuda":
+        impls.append(Skip("flashinfer", "FlashInfer is CUDA-only"))
+    else:
+        ok, why = baselines.flashinfer_available()
+        if not ok:
+            impls.append(Skip("flashinfer", why))
+        else:
+            impls.append(Impl("flashinfer", lambda x: baselines.flashinfer_chain(
+                x["target_logits"], x["draft_token_ids"], x["draft_probs"], temperature),
+                kind="baseline", note="fp32 softmax, then chain_speculative_sampling"))
+            impls.append(Impl("flashinfer", lambda y: baselines.flashinfer_chain_from_probs(*y),
+                              kind="stage", stage="kernel_only",
+                              prepare=lambda x: (x["draft_probs"], x["draft_token_ids"],
+                                                 torch.softmax(x["target_logits"].float(), -1))))
+    return impls
