@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ALL_OPS = ("chain", "tree", "sample", "mask", "compact", "model")
+ALL_OPS = ("chain", "tree", "sample", "mask", "compact", "extension", "model")
 PRESETS = ("quick", "cpu", "gpu", "gpu_check")
 
 
@@ -124,8 +124,8 @@ def _main(args) -> int:
     env = harness.environment(device)
     print(f"device: {env.device_name} ({device.type}); torch {env.torch}, triton {env.triton}; "
           f"commit {env.git_commit[:12]}{' (dirty)' if env.git_dirty else ''}; preset {preset}")
-    timed_ops = [o for o in ops if o != "model"]
-    if timed_ops:
+    timed_ops = [o for o in ops if o not in ("model", "extension")]
+    if timed_ops or "extension" in ops:
         env.copy_bw_gbps = harness.copy_bandwidth_gbps(
             device, (64 << 20) if quick and device.type == "cpu" else None)
         print(f"copy bandwidth (read + write): {env.copy_bw_gbps:.1f} GB/s"
@@ -165,6 +165,16 @@ def _main(args) -> int:
         rows += harness.run_case(case, module, env, cfg)
         harness.add_speedups(rows, speedup_baselines)
         harness.write_results(rows, out)
+    if "extension" in ops:
+        from .ops import extension  # noqa: PLC0415
+        if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
+            meta["not_run"].append("extension")
+        else:
+            rows += extension.run(env, quick)
+            speedup_baselines.update({op: "reference" for op in (
+                "build_tree_attention", "compact_kv_cache", "compact_paged_kv_cache")})
+            harness.add_speedups(rows, speedup_baselines)
+            harness.write_results(rows, out)
     if meta["not_run"]:
         print(f"time budget reached: {len(meta['not_run'])} cases not run (listed in meta.json)")
 

@@ -28,7 +28,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     assert bench_main(["--quick", "--device", "cpu", "--out", str(out), "--no-progress",
-                       "--ops", "chain,tree,sample,mask,compact,model"]) == 0
+                       "--ops", "chain,tree,sample,mask,compact,extension,model"]) == 0
     return out
 
 
@@ -50,6 +50,8 @@ def test_quick_sweep_writes_rows_with_required_keys(quick_run):
     assert {"reference", "torch_unfused", "vllm_style"} <= chain_backends
     for r in ok:
         assert r["median_us"] > 0 and r["gbps"] > 0 and r["pct_copy_bw"] > 0, r
+    # The extension's own benchmark lands in the same rows (or one skipped row says why).
+    assert any(r["op"] == "build_tree_attention" for r in rows)
     # Skipped rows say why (Triton and FlashInfer need a GPU here).
     for r in rows:
         if r["status"] == "skipped":

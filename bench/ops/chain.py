@@ -105,12 +105,51 @@ def _ours(backend: str, case: Case):
     return run
 
 
+def _triton_parts(case: Case, temperature: float) -> list:
+    """Where the fused pipeline's time goes, and what an engine that keeps its fp32 copy pays:
+
+    * stage ``1_row_stats`` of ``triton``: the statistics pass alone (the one full read of the
+      target logits; acceptance and the race read one row per request);
+    * backend ``fp32copy+triton``: the engine's fp32 copy with temperature (torch), then our
+      fused kernels on that copy -- the cost of the copy with everything else ours.
+    """
+    import specdec_kernels as sk  # noqa: PLC0415
+    from specdec_kernels import _params  # noqa: PLC0415
+    from specdec_kernels.triton import sampling as tsampling  # noqa: PLC0415
+
+    def prepare_stats(x):
+        logits = x["target_logits"]
+        params = _params.sampling_params(temperature, None, None, batch=logits.shape[0],
+                                         vocab_size=logits.shape[-1], device=logits.device,
+                                         validate=False)
+        return logits, params
+
+    def stats(y):
+        logits, params = y
+        return tsampling.row_stats(logits, params, logits.shape[1], logits.stride(0), logits.stride(1))
+
+    parts = [Impl("triton", stats, kind="stage", stage="1_row_stats", prepare=prepare_stats)]
+    if temperature > 0:
+        def copy_then_ours(x):
+            scaled = baselines.vllm_fp32_temperature(x["target_logits"], temperature)
+            draft_logits = x.get("draft_logits")
+            return sk.verify_chain(scaled, x["draft_token_ids"], draft_probs=x.get("draft_probs"),
+                                   draft_logits=None if draft_logits is None else draft_logits,
+                                   temperature=1.0, seed=x["seed"], offset=x["offset"],
+                                   backend="triton", validate=False)
+        parts.append(Impl("fp32copy+triton", copy_then_ours, kind="baseline", graphable=True,
+                          note="torch fp32 copy with temperature, then the fused kernels"))
+    return parts
+
+
 def implementations(case: Case, device: torch.device) -> list:
     temperature = _temperature(case)
     impls: list = []
     ok, why = triton_backend_available(device, "chain")
     impls.append(Impl("triton", _ours("triton", case), graphable=True) if ok
                  else Skip("triton", why, kind="ours"))
+    if ok:
+        impls += _triton_parts(case, temperature)
     impls.append(Impl("reference", _ours("reference", case),
                       note="Philox noise over [B, V] in int64 torch ops"))
 
