@@ -400,6 +400,7 @@ def test_bad_structure_raises_value_error(backend):
         ([c[:2] for c in caches], "caches", "3 requests"),
         ([c.to(torch.int16) for c in caches], "caches", "floating-point"),
         ([c[0] for c in caches], "caches", "4-D"),
+        ([c[..., ::2] for c in caches], "caches", "contiguous last dimension"),
     ]
     for bad_caches, argument, needle in cases:
         with pytest.raises(ValueError, match=rf"^{re.escape(argument)}: .*{needle}"):
@@ -420,6 +421,13 @@ def test_bad_structure_raises_value_error(backend):
     with pytest.raises(TypeError, match=r"^accepted_nodes: "):
         compact_kv_cache(caches, args[0], args[1].float(), args[2], backend=backend)
     assert_caches_equal(caches, problem.caches)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_empty_batch(backend, layout):
+    problem = Problem(layout, batch=0, n=3)
+    assert problem.run(problem.clone_caches(), backend=backend).shape == (0,)
 
 
 def test_unknown_backend():

@@ -52,13 +52,24 @@ def _check_caches(caches: Caches, *, paged: bool, layout: str) -> list[torch.Ten
             if got != expected:
                 raise ValueError(f"caches[{i}]: expected the same {what} as caches[0] "
                                  f"({expected}), got {got}")
-    # One cache position must be contiguous bytes, or rows of a contiguous last dimension.
-    inner = first[0, 0] if (paged or layout == "bshd") else first[0, :, 0]
-    if inner.numel() > 1 and not inner.is_contiguous() and not (
-            inner.dim() == 2 and inner.stride(-1) == 1 or inner.size(-1) == 1):
-        raise ValueError(f"caches: expected each cache position to be contiguous (or rows of a "
-                         f"contiguous last dimension), got strides {first.stride()}")
+    if not _position_rows_ok(first, paged=paged, layout=layout):
+        raise ValueError(f"caches: expected the elements of a cache position to be contiguous, "
+                         f"or rows of a contiguous last dimension, got shape {list(first.shape)} "
+                         f"with strides {first.stride()}")
     return list(caches)
+
+
+def _position_rows_ok(cache: torch.Tensor, *, paged: bool, layout: str) -> bool:
+    """What the extension can address (csrc/torch/ops.cpp): a position's elements dense, or
+    (``[.., H, D]`` trailing, and always for ``"bhsd"``) rows of a contiguous last dimension."""
+    last_contiguous = cache.stride(-1) == 1 or cache.size(-1) == 1
+    if not paged and layout == "bhsd":
+        return last_contiguous
+    expected, dense = 1, True
+    for size, stride in zip(reversed(cache.shape[2:]), reversed(cache.stride()[2:])):
+        dense &= size == 1 or stride == expected
+        expected *= size
+    return dense or (cache.dim() == 4 and last_contiguous)
 
 
 def _check_indices(kv_lens, accepted_nodes, num_accepted, device: torch.device):
