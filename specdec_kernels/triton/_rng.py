@@ -48,13 +48,18 @@ def philox_word0(c0, c1, c2, c3, k0, k1):
 @triton.jit
 def random_word(seed, offset, position, purpose: tl.constexpr, index):
     """Word 0 for ``(seed, offset)`` int64 scalars, ``position`` int scalar (< 2**16) and
-    ``index`` an int tensor (the vocabulary index; 0 for per-draft uniforms)."""
-    k0, k1 = split_u64(seed.to(tl.int64))
-    c2, c3 = split_u64(offset.to(tl.int64))
+    ``index`` an int tensor (the vocabulary index; 0 for per-draft uniforms).
+    (Helpers are inlined by hand: each nested call costs the interpreter a re-patch.)"""
+    seed = seed.to(tl.int64)
+    offset = offset.to(tl.int64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c2 = (offset & 0xFFFFFFFF).to(tl.uint32)
+    c3 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c1 = ((position.to(tl.int64) & 0xFFFF) | (purpose << 16)).to(tl.uint32)
     c0 = (index.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
-    return philox_word0(c0, c1 + tl.zeros_like(c0), c2 + tl.zeros_like(c0),
-                        c3 + tl.zeros_like(c0), k0, k1)
+    zero = tl.zeros_like(c0)
+    return philox_word0(c0, c1 + zero, c2 + zero, c3 + zero, k0, k1)
 
 
 @triton.jit
@@ -67,8 +72,8 @@ def uniform(seed, offset, position, purpose: tl.constexpr, index):
 @triton.jit
 def exponential(seed, offset, position, purpose: tl.constexpr, index):
     """float32 Exp(1) noise ``-log(1 - u)``: finite, 0 only when u == 0."""
-    u = uniform(seed, offset, position, purpose, index)
-    return -tl.log(1.0 - u)
+    word = random_word(seed, offset, position, purpose, index)
+    return -tl.log(1.0 - (word >> 8).to(tl.float32) * 5.9604644775390625e-08)
 
 
 @triton.jit

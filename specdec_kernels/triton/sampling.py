@@ -91,9 +91,11 @@ def _pivot_pass(row_ptr, V, x_max, inv_t, floor_key, lo, hi,
                 KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """One pass over the row evaluating NUM_PIVOTS keys spread over ``(lo, hi]`` at once.
 
-    Returns the pivots (int64) and, for each, the count and the mass ``sum(exp(z))`` of the
-    finite tokens with ``key >= pivot`` and ``key >= floor_key``. Both are non-increasing in
-    the pivot (the same reduction tree adds non-negative terms), which the search relies on.
+    For each pivot, over the finite tokens with ``key >= floor_key``: the count and the mass
+    ``sum(exp(z))`` of those with ``key >= pivot`` (non-increasing in the pivot: the same
+    reduction tree adds non-negative terms), the smallest key ``>= pivot`` and the largest key
+    ``< pivot``. The last two snap the search interval onto keys that occur in the row, so the
+    number of passes follows the number of distinct values rather than the key span.
     """
     steps = tl.arange(0, NUM_PIVOTS).to(tl.int64) + 1
     span = hi - lo
@@ -101,40 +103,53 @@ def _pivot_pass(row_ptr, V, x_max, inv_t, floor_key, lo, hi,
     pivots32 = pivots.to(tl.int32)
     count = tl.zeros([NUM_PIVOTS], tl.float32)
     mass = tl.zeros([NUM_PIVOTS], tl.float32)
+    min_above = tl.full([NUM_PIVOTS], 2147483647, tl.int32)
+    max_below = tl.full([NUM_PIVOTS], -2147483648, tl.int32)
     for start in range(0, V, BLOCK_S):
         offs = start + tl.arange(0, BLOCK_S)
-        x = load_logits(row_ptr, offs, offs < V)
-        key = _sort_key(x, KEY_SHIFT)
+        # load_logits and _sort_key inlined (each nested call costs the interpreter a re-patch).
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.where((x == x) & (tl.abs(x) < float("inf")), x, float("-inf"))
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(x == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)) >> KEY_SHIFT
         live = (x > float("-inf")) & (key >= floor_key)
         e = tl.where(live, tl.exp((x - x_max) * inv_t), 0.0)
-        above = (key[:, None] >= pivots32[None, :]) & live[:, None]
+        ge = key[:, None] >= pivots32[None, :]
+        above = ge & live[:, None]
+        below = (~ge) & live[:, None]
         count += tl.sum(above.to(tl.float32), axis=0)
         mass += tl.sum(tl.where(above, e[:, None], 0.0), axis=0)
-    return pivots, count, mass
+        min_above = tl.minimum(min_above, tl.min(tl.where(above, key[:, None], 2147483647), axis=0))
+        max_below = tl.maximum(max_below, tl.max(tl.where(below, key[:, None], -2147483648), axis=0))
+    return pivots, count, mass, min_above, max_below
 
 
 @triton.jit
 def _search(row_ptr, V, x_max, inv_t, lo, hi, lo_count, lo_mass, target, BY_MASS: tl.constexpr,
             KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """The largest key ``t`` in ``[lo, hi]`` whose kept set ``{key >= t}`` still has count
-    (top-k) or mass (top-p) ``>= target``, given that ``lo`` qualifies. Returns ``t`` and the
-    count and mass of its kept set. Each pass shrinks the interval by NUM_PIVOTS + 1."""
+    """The largest key ``t`` whose kept set ``{key >= t}`` still has count (top-k) or mass
+    (top-p) ``>= target``, searched in ``[lo, hi]`` (keys of the row; ``lo`` qualifies and
+    bounds the set from below). Returns ``t`` and the count and mass of its kept set."""
     floor_key = lo.to(tl.int32)
     while lo < hi:
-        pivots, count, mass = _pivot_pass(row_ptr, V, x_max, inv_t, floor_key, lo, hi,
-                                          KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+        pivots, count, mass, min_above, max_below = _pivot_pass(
+            row_ptr, V, x_max, inv_t, floor_key, lo, hi, KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
         if BY_MASS:
             ok = mass >= target
+            exact = ok & (mass < 0.0)  # a mass target is never met exactly on purpose
         else:
             ok = count >= target
-        # ok is a prefix of the pivots: lo moves to the last qualifying pivot, hi below the
-        # first one that fails.
-        new_lo = tl.max(tl.where(ok, pivots, lo), axis=0)
-        new_hi = tl.min(tl.where(ok, hi, pivots - 1), axis=0)
+            exact = ok & (count == target)  # the k-th largest key is the smallest one kept
+        # ok is a prefix of the pivots. The answer is >= the smallest key kept by a qualifying
+        # pivot, < every failing pivot (so <= the largest key below it), and equal to the
+        # smallest key kept by a pivot that keeps exactly k tokens.
+        new_lo = tl.max(tl.where(ok, min_above, lo), axis=0).to(tl.int64)
+        new_hi = tl.min(tl.where(ok, hi, max_below), axis=0).to(tl.int64)
+        new_hi = tl.minimum(new_hi, tl.min(tl.where(exact, min_above, hi), axis=0).to(tl.int64))
         lo_count = tl.min(tl.where(ok, count, lo_count), axis=0)
         lo_mass = tl.min(tl.where(ok, mass, lo_mass), axis=0)
         lo = new_lo
-        hi = new_hi
+        hi = tl.maximum(new_hi, new_lo)
     return lo, lo_count, lo_mass
 
 
@@ -423,8 +438,12 @@ def block_size(vocab: int, device: torch.device, cap_gpu: int = 2048, cap_cpu: i
     return max(16, min(triton.next_power_of_2(vocab), cap))
 
 
-def _search_block(vocab: int, device: torch.device) -> int:
-    return max(16, min(triton.next_power_of_2(vocab), 1024 if _interpreted(device) else 256))
+def _search_config(vocab: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_S, NUM_PIVOTS) of the pivot passes. The GPU keeps [BLOCK_S, NUM_PIVOTS] in
+    registers; the interpreter pays per pass, not per element, so it takes more pivots."""
+    if _interpreted(device):
+        return max(16, min(triton.next_power_of_2(vocab), 2048)), 256
+    return max(16, min(triton.next_power_of_2(vocab), 256)), NUM_PIVOTS
 
 
 def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
@@ -439,14 +458,15 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
     if rows == 0:
         return stats, argmax
     interp = _interpreted(logits.device)
+    block_s, num_pivots = _search_config(vocab, logits.device)
     _row_stats_kernel[(rows,)](
         logits, stride_req, stride_row, rows_per_req,
         params.temperature, params.top_k, params.top_p, stats, argmax, vocab,
         USE_TOP_K=bool(params.uses_top_k) and not params.all_greedy,
         USE_TOP_P=bool(params.uses_top_p) and not params.all_greedy,
         KEY_SHIFT=_KEY_SHIFT[logits.dtype],
-        BLOCK=block_size(vocab, logits.device), BLOCK_S=_search_block(vocab, logits.device),
-        NUM_PIVOTS=NUM_PIVOTS, num_warps=1 if interp else 8)
+        BLOCK=block_size(vocab, logits.device), BLOCK_S=block_s,
+        NUM_PIVOTS=num_pivots, num_warps=1 if interp else 8)
     return stats, argmax
 
 
