@@ -475,7 +475,10 @@ def run_case(case: Case, op_module, env: Environment, cfg: RunConfig) -> list[di
                                      variant=variant, min_bytes=min_bytes, status="error",
                                      note=_one_line(exc)))
                 if device.type == "cuda":
-                    torch.cuda.synchronize()
+                    try:  # a failed capture or launch can leave an error pending: clear it here
+                        torch.cuda.synchronize()
+                    except Exception:  # noqa: BLE001
+                        pass
         del prepared
     del inputs, base_inputs
     if device.type == "cuda":
