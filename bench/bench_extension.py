@@ -1,6 +1,6 @@
 """C++ extension against the vectorised PyTorch reference, on this machine's CPU (or a GPU).
 
-    python -m bench.bench_extension [--device cpu] [--json out.json]
+    python -m bench.bench_extension [--device cpu] [--threads 1] [--json out.json]
 
 Mask building (``build_tree_attention``): B in {1, 64, 256}, N in {16, 64, 128}, random
 trees. Compaction: 32 layers x (K, V) = 64 cache tensors, H=8, D=128, bf16, B in {1, 64},
@@ -135,7 +135,10 @@ def bench_compaction(batch_sizes=(1, 64), layouts=("bshd", "bhsd", "paged"),
             else:
                 shape = (batch, seq, HEADS, HEAD_DIM) if layout == "bshd" else \
                     (batch, HEADS, seq, HEAD_DIM)
-            caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2 * layers)]
+            # Written once: reads of never-touched pages would hit the kernel's shared zero
+            # page and flatter the CPU numbers.
+            caches = [torch.empty(shape, dtype=dtype, device=device).fill_(1.0)
+                      for _ in range(2 * layers)]
             if layout == "paged":
                 calls = {
                     "extension": lambda: torch.ops.specdec.compact_paged_kv_cache(
@@ -184,8 +187,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for the CPU run (default: torch's choice)")
     parser.add_argument("--json", help="write every row to this file")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}, "
           f"extension built: {_extension.HAS_EXTENSION}")
     tree_rows = bench_tree_attention(device=args.device, repeats=args.repeats)

@@ -53,8 +53,9 @@ def build_tree_attention(parents: torch.Tensor, *, num_nodes: Optional[torch.Ten
 
     eye = torch.eye(n, dtype=torch.bool, device=device).expand(batch, n, n)
     mask = eye | torch.nn.functional.one_hot(up, n).to(torch.bool) if n else eye.clone()
+    rows = torch.arange(batch, device=device)[:, None]
     for _ in range(max(n - 1, 1).bit_length()):  # 2**rounds >= N - 1 steps
-        mask = mask | torch.gather(mask, 1, up[:, :, None].expand(batch, n, n))
+        mask = mask | mask[rows, up]
         up = torch.gather(up, 1, up)
 
     depth = (mask.sum(-1) - 1).to(torch.int32)
