@@ -43,16 +43,12 @@ _MASK32 = 0xFFFFFFFF
 def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo) 32-bit halves of the 64-bit product of constant ``a`` and uint32 values in int64.
 
-    int64 cannot hold a 64-bit product, so ``b`` is split in 16-bit halves: every partial
-    product stays below 2**49.
+    The product can exceed int64's range; the multiply wraps modulo 2**64 (two's complement
+    on every torch device), so its bits -- and the masked halves -- are exact. The tests
+    check this against Python integers and Random123's known answers.
     """
-    b_lo = b & 0xFFFF
-    b_hi = b >> 16
-    p_lo = a * b_lo  # < 2**48
-    p_hi = a * b_hi  # < 2**48
-    hi = (p_hi + (p_lo >> 16)) >> 16
-    lo = (p_lo + ((p_hi & 0xFFFF) << 16)) & _MASK32
-    return hi & _MASK32, lo
+    product = b * a
+    return (product >> 32) & _MASK32, product & _MASK32
 
 
 def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):

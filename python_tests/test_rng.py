@@ -1,0 +1,61 @@
+"""The torch Philox-4x32-10 of specdec_kernels._rng: Random123's known answers, and Python's
+arbitrary-precision integers on random inputs (the torch version relies on int64 multiplies
+wrapping modulo 2**64)."""
+import random
+
+import torch
+
+from specdec_kernels import _rng
+
+M32 = 0xFFFFFFFF
+
+
+def _philox_python(c, k):
+    c, k = list(c), list(k)
+    for _ in range(_rng.PHILOX_ROUNDS):
+        p0, p1 = _rng.PHILOX_M0 * c[0], _rng.PHILOX_M1 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k[0], p1 & M32, (p0 >> 32) ^ c[3] ^ k[1], p0 & M32]
+        k = [(k[0] + _rng.PHILOX_W0) & M32, (k[1] + _rng.PHILOX_W1) & M32]
+    return c
+
+
+def test_random123_known_answers():
+    cases = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((M32,) * 4, (M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ]
+    for counter, key, expected in cases:
+        assert tuple(int(w) for w in _rng.philox4x32(*counter, *key)) == expected
+        assert tuple(_philox_python(counter, key)) == expected
+
+
+def test_matches_python_integers():
+    rng = random.Random(0)
+    words = [[rng.choice([0, 1, M32, M32 - 1, rng.getrandbits(32)]) for _ in range(6)]
+             for _ in range(2000)]
+    cols = torch.tensor(words, dtype=torch.int64).T
+    got = torch.stack(_rng.philox4x32(*cols), 1).tolist()
+    assert got == [_philox_python(w[:4], w[4:]) for w in words]
+
+
+def test_key_and_counter_layout():
+    seed, offset = -(2 ** 40) - 3, 2 ** 33 + 5  # negative seeds use their two's complement
+    word = _rng.random_words(torch.tensor(seed), torch.tensor(offset), 7, _rng.PURPOSE_RESAMPLE,
+                             index=11)
+    counter = (11, 7 | (_rng.PURPOSE_RESAMPLE << 16), offset & M32, offset >> 32)
+    key = (seed & M32, (seed >> 32) & M32)
+    assert int(word) == _philox_python(counter, key)[0]
+    u = _rng.uniform(torch.tensor(seed), torch.tensor(offset), 7, _rng.PURPOSE_RESAMPLE, 11)
+    assert float(u) == (int(word) >> 8) * 2.0 ** -24
+
+
+def test_uniforms_and_noise_ranges():
+    u = _rng.uniform(torch.tensor(3), torch.tensor(0), 1, _rng.PURPOSE_ACCEPT,
+                     torch.arange(100_000))
+    assert u.dtype == torch.float32 and (u >= 0).all() and (u < 1).all()
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    e = _rng.exponential(torch.tensor(3), torch.tensor(0), 1, _rng.PURPOSE_ACCEPT,
+                         torch.arange(100_000))
+    assert torch.isfinite(e).all() and (e >= 0).all() and abs(float(e.mean()) - 1) < 0.02
