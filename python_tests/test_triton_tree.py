@@ -1,0 +1,135 @@
+"""The Triton tree kernels equal the reference token for token (under TRITON_INTERPRET=1 on CPU
+tensors, as CI runs them; on CUDA tensors when a GPU is present).
+
+Decisions may differ only within floating-point rounding of their threshold (the kernels sum
+in a different order, and exp/log may differ in the last ulp): the mismatch rate over
+requests is printed and bounded by MAX_MISMATCH_RATE.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+MAX_MISMATCH_RATE = 0.02
+MODES = ["deterministic", "iid", "without_replacement"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def random_trees(batch: int, nodes: int, vocab: int, mode: str, seed: int):
+    """Random trees whose drafts are often accepted: target and draft logits are close, and
+    children are drawn from their parent's draft row (without replacement for that mode;
+    top candidates for deterministic trees), with some duplicates in i.i.d. trees."""
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randn(batch, nodes, vocab, generator=gen) * 2.0
+    draft_logits = target + 0.7 * torch.randn(batch, nodes, vocab, generator=gen)
+    q = torch.softmax(draft_logits, -1)
+    parents = torch.full((batch, nodes), -1, dtype=torch.int64)
+    for i in range(1, nodes):  # shallow-biased random trees: parent among the last few nodes
+        low = max(0, i - 4)
+        parents[:, i] = torch.randint(low, i, (batch,), generator=gen)
+    tokens = torch.full((batch, nodes), -1, dtype=torch.int64)
+    for b in range(batch):
+        for u in range(nodes):
+            kids = (parents[b] == u).nonzero()[:, 0]
+            if len(kids) == 0:
+                continue
+            if mode == "deterministic":
+                order = torch.argsort(q[b, u], descending=True, stable=True)
+                tokens[b, kids] = order[:len(kids)] if len(kids) <= vocab else order[0]
+            else:
+                replace = mode == "iid" or len(kids) > vocab
+                tokens[b, kids] = torch.multinomial(q[b, u], len(kids), replacement=replace,
+                                                    generator=gen)
+    num_nodes = torch.randint(1, nodes + 1, (batch,), generator=gen)
+    num_nodes[: batch // 2] = nodes
+    return target, tokens, parents, q, num_nodes
+
+
+def _compare(batch, nodes, vocab, mode, dtype, seed, q_dtype=torch.float32, **params):
+    target, tokens, parents, q, num_nodes = random_trees(batch, nodes, vocab, mode, seed)
+    target = target.to(dtype).to(DEVICE)
+    kw = dict(num_nodes=num_nodes.to(DEVICE), seed=torch.arange(batch, device=DEVICE) * 13 + seed,
+              offset=torch.full((batch,), 3, device=DEVICE), **params)
+    if mode != "deterministic":
+        kw.update(draft_probs=q.to(q_dtype).to(DEVICE), draft_sampling=mode)
+    args = (target, tokens.to(DEVICE), parents.to(DEVICE))
+    ref = sk.verify_tree(*args, backend="reference", **kw)
+    tri = sk.verify_tree(*args, backend="triton", **kw)
+    assert tri.output_token_ids.dtype == torch.int32 and tri.accepted_nodes.dtype == torch.int32
+    assert tri.num_accepted.dtype == torch.int32
+    out = tri.output_token_ids.cpu()
+    assert bool(((out >= -1) & (out < vocab)).all())
+    same = ((tri.output_token_ids == ref.output_token_ids).all(1)
+            & (tri.accepted_nodes == ref.accepted_nodes).all(1)
+            & (tri.num_accepted == ref.num_accepted)).cpu()
+    rate = 1.0 - float(same.double().mean())
+    shown = {k: "per-request" if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+    print(f"{mode} {dtype} V={vocab} N={nodes} {shown}: mismatch rate {rate:.4f} "
+          f"({int((~same).sum())}/{batch}), mean accepted {float(ref.num_accepted.double().mean()):.2f}")
+    assert rate <= MAX_MISMATCH_RATE
+    return ref, tri
+
+
+SAMPLING = {
+    "plain": dict(temperature=1.0),
+    "mixed": dict(temperature=torch.tensor([0.0, 0.8, 1.0, 1.3] * 3),
+                  top_k=torch.tensor([0, 5, 0, 3] * 3), top_p=torch.tensor([1.0, 1.0, 0.8, 0.9] * 3)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_equals_reference(mode, dtype):
+    params = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+              for k, v in SAMPLING["mixed"].items()}
+    ref, _ = _compare(12, 10, 32, mode, dtype, seed=MODES.index(mode), **params)
+    assert int(ref.num_accepted.max()) >= 2  # the trees are actually walked
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_small_vocab_duplicates_and_padding(mode):
+    # V = 5 with up to 4 children per node: duplicates (i.i.d.), exhausted candidates,
+    # residuals that run out of mass; half the requests padded.
+    _compare(16, 12, 5, mode, torch.float32, seed=7, temperature=1.0)
+
+
+def test_triton_greedy_and_draft_dtype():
+    _compare(8, 9, 33, "iid", torch.bfloat16, seed=5, q_dtype=torch.bfloat16, temperature=0.0)
+    _compare(8, 9, 33, "without_replacement", torch.float16, seed=6, q_dtype=torch.float16,
+             temperature=0.9, top_p=0.7)
+
+
+def test_triton_chain_shaped_tree_equals_triton_chain():
+    batch, num_drafts, vocab = 8, 4, 40
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(batch, num_drafts + 1, vocab, generator=gen) * 2).to(DEVICE)
+    q = torch.softmax(logits[:, :num_drafts].cpu() + torch.randn(batch, num_drafts, vocab,
+                                                                 generator=gen), -1)
+    drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, num_drafts)
+    kw = dict(seed=torch.arange(batch, device=DEVICE), offset=2, backend="triton")
+    chain = sk.verify_chain(logits, drafts.to(DEVICE), draft_probs=q.to(DEVICE), **kw)
+    tree = sk.verify_tree(logits, torch.cat([torch.full((batch, 1), -1), drafts], 1).to(DEVICE),
+                          torch.arange(-1, num_drafts).expand(batch, -1).to(DEVICE),
+                          draft_probs=torch.cat([q, q[:, :1]], 1).to(DEVICE), **kw)
+    assert torch.equal(tree.output_token_ids, chain.output_token_ids)
+    assert torch.equal(tree.num_accepted, chain.num_accepted)
+
+
+def test_triton_row_without_finite_logit():
+    logits = torch.full((2, 3, 6), -torch.inf, device=DEVICE)
+    logits[1, 0, 2] = 0.0
+    out = sk.verify_tree(logits, torch.tensor([[-1, 1, 2]] * 2, device=DEVICE),
+                         torch.tensor([[-1, 0, 0]] * 2, device=DEVICE), seed=0, backend="triton")
+    # Request 1: node 2 (token 2, the only finite logit) is accepted, then its row has none.
+    assert out.output_token_ids.tolist() == [[-1, -1, -1], [2, -1, -1]]
+    assert out.accepted_nodes.tolist() == [[0, -1, -1], [0, 2, -1]]
+    assert out.num_accepted.tolist() == [0, 1]

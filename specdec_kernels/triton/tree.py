@@ -1,0 +1,269 @@
+"""Fused tree verification (contract section 4).
+
+Launches, both asynchronous (no host synchronisation, CUDA-graph capturable with tensor seeds):
+
+1. ``_row_stats_kernel`` (``sampling.py``, shared with the chain) over the ``B*N`` node rows:
+   one streaming pass per row (plus pivot passes for rows whose top-k/top-p is active), so
+   ``p(x)`` of any token is one gathered logit and three floats.
+2. ``_tree_walk_kernel`` (grid B): the walk of ``reference/tree.py`` for one request, node by
+   node in index order. Acceptance needs only gathered values: ``p(x)``, ``q(x)``, the
+   request's uniform, and -- after rejections at the current node -- a few per-rejection
+   scalars kept in registers (see below). Full rows are read only where the contract needs a
+   residual: after a rejected child under i.i.d. / without-replacement drafts (one pass over
+   the node's target and draft rows to get the new residual's mass), and for the final
+   correction/bonus sample (one pass over the final node's row, racing exponential noise).
+
+The residual is never stored. After ``k`` rejections at node ``u`` it is the same recursion as
+the reference, evaluated element-wise from ``p(v)``, ``q(v)`` and the per-rejection scalars
+(mass before the step, draft mass, rejected token, whether the step applied):
+``r_j = max(r_{j-1} / m_{j-1} - q_j, 0)`` (``q_j = q`` for i.i.d.; ``q`` without the earlier
+rejected tokens over its remaining mass for without-replacement drafts), so a gather costs
+``O(k)`` flops and a pass ``O(k V)``. Deterministic candidates need no pass at all: removing a
+token subtracts its gathered ``p(x)`` from the mass, and a later duplicate is recognised from
+the list of removed tokens. Same float operations as the reference (``div_rn``); sums differ
+only in order.
+
+Memory: stats ``[B*N, 3]`` float32 + ``[B*N]`` int32; outputs. Nothing grows with ``B*N*V``.
+Logits and draft probabilities are read in their own dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._rng import PURPOSE_ACCEPT, PURPOSE_RESAMPLE
+from . import _rng as trng
+from .sampling import (_better, _block_best, _last_dim_contiguous, block_size,
+                       inverse_temperature, load_logits, processed_prob, row_stats)
+
+MODE_DETERMINISTIC, MODE_IID, MODE_WITHOUT_REPLACEMENT = 0, 1, 2
+_MODES = {"iid": MODE_IID, "without_replacement": MODE_WITHOUT_REPLACEMENT}
+
+
+@triton.jit
+def _pick(vec, idx, j):
+    """``vec[j]`` of a small register vector (``idx = arange``)."""
+    return tl.sum(tl.where(idx == j, vec, tl.zeros_like(vec)), axis=0)
+
+
+@triton.jit
+def _residual(p, q, v, steps, masses, q_masses, tokens, applied, idx, WOR: tl.constexpr):
+    """The residual after ``steps`` rejections at the current node, at tokens ``v`` (a scalar
+    or a block) with target probabilities ``p`` and draft probabilities ``q`` there. Returns
+    ``(r, gone)``: the unnormalised residual and, for without-replacement drafts, whether ``v``
+    was removed from the draft by a rejection."""
+    r = p
+    gone = v < 0
+    for j in range(0, steps):
+        mass = _pick(masses, idx, j)
+        ok = _pick(applied, idx, j) != 0
+        if WOR:
+            draft = _wor_draft(q, gone, _pick(q_masses, idx, j))
+            gone = gone | (v == _pick(tokens, idx, j))
+        else:
+            draft = q
+        r = tl.where(ok, tl.maximum(tl.math.div_rn(r, mass) - draft, 0.0), r)
+    return r, gone
+
+
+@triton.jit
+def _wor_draft(q, gone, q_mass):
+    """q_i(v) of without-replacement drafts: 0 once removed or once the draft is exhausted."""
+    # (nested where: the interpreter cannot `|` a block with a scalar computed from loads)
+    kept = tl.where(gone, 0.0, tl.math.div_rn(q, tl.where(q_mass > 0.0, q_mass, 1.0)))
+    return tl.where(q_mass > 0.0, kept, 0.0)
+
+
+@triton.jit
+def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
+                      q_ptr, stride_qb, stride_qn, ids_ptr, stride_ib, parents_ptr, stride_pb,
+                      num_nodes_ptr, temperature_ptr, seed_ptr, offset_ptr,
+                      out_ptr, path_ptr, num_accepted_ptr, V, N,
+                      MODE: tl.constexpr, N_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """The walk and the final sample of one request (grid B).
+
+    Bytes per request: per node, its parent and id (8-16 B); per tested child, 12 + 4 B of
+    stats, one target logit and one draft probability; per rejected child under i.i.d. /
+    without-replacement drafts, one target row and one draft row (V * (elem + q_elem)); for
+    the final token, one target row (plus its draft row when residual steps are pending).
+    Writes 2 * N * 4 + 4 B. Compute: O(k) flops per element of a pass after k rejections at
+    the node, one Philox-4x32-10 per token of the final pass.
+    """
+    req = tl.program_id(0)
+    req64 = req.to(tl.int64)
+    temperature = tl.load(temperature_ptr + req)
+    greedy = temperature == 0.0
+    inv_t = inverse_temperature(temperature)
+    seed = tl.load(seed_ptr + req)
+    offset = tl.load(offset_ptr + req)
+    num_nodes = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + req), 1), N)
+    logits_req = logits_ptr + req64 * stride_lb
+    q_req = q_ptr + req64 * stride_qb
+
+    idx = tl.arange(0, N_P2)
+    # Per-rejection scalars at the current node (entry j: the j-th rejection).
+    masses = tl.zeros([N_P2], tl.float32)
+    q_masses = tl.zeros([N_P2], tl.float32)
+    tokens = tl.full([N_P2], -1, tl.int32)
+    applied = tl.zeros([N_P2], tl.int32)
+    # The accepted path (root first) and its tokens.
+    path = tl.where(idx == 0, 0, -1)
+    out = tl.full([N_P2], -1, tl.int32)
+
+    current = tl.full([], 0, tl.int32)
+    depth = tl.full([], 0, tl.int32)
+    steps = tl.full([], 0, tl.int32)
+    p_mass = tl.full([], 1.0, tl.float32)
+    q_mass = tl.full([], 1.0, tl.float32)
+    last_removed = tl.full([], -1, tl.int32)
+
+    for i in range(1, N):
+        node = tl.zeros([], tl.int32) + i  # the interpreter's loop index is a Python int
+        parent = tl.load(parents_ptr + req64 * stride_pb + node).to(tl.int32)
+        token = tl.load(ids_ptr + req64 * stride_ib + node).to(tl.int32)
+        real = (node < num_nodes) & (parent >= 0) & (parent < node) & (token >= 0) & (token < V)
+        tested = real & (parent == current)
+        token = tl.where(tested, token, 0)
+        row = req * N + current
+        x_max = tl.load(stats_ptr + row * 3 + 0, mask=tested, other=float("-inf"))
+        x_thr = tl.load(stats_ptr + row * 3 + 1, mask=tested, other=0.0)
+        norm = tl.load(stats_ptr + row * 3 + 2, mask=tested, other=1.0)
+        argmax = tl.load(argmax_ptr + row, mask=tested, other=-1)
+        row_ptr = logits_req + current.to(tl.int64) * stride_ln
+        q_row_ptr = q_req + current.to(tl.int64) * stride_qn
+        p_x = processed_prob(load_logits(row_ptr, token, tested), x_max, x_thr, norm, inv_t)
+        if MODE == 0:
+            gone = tl.max(((tokens == token) & (idx < steps)).to(tl.int32), axis=0) != 0
+            p_token = tl.where(gone, 0.0, p_x)
+            draft = tl.full([], 1.0, tl.float32)
+        else:
+            q_x = tl.load(q_row_ptr + token, mask=tested, other=0.0).to(tl.float32)
+            p_token, gone = _residual(p_x, q_x, token, steps, masses, q_masses, tokens, applied,
+                                      idx, MODE == 2)
+            if MODE == 2:
+                draft = _wor_draft(q_x, gone, q_mass)
+            else:
+                draft = q_x
+        target = tl.where(p_mass > 0.0,
+                          tl.math.div_rn(p_token, tl.where(p_mass > 0.0, p_mass, 1.0)),
+                          tl.where(p_token > 0.0, float("inf"), 0.0))
+        u = trng.uniform(seed, offset, node, PURPOSE_ACCEPT, tl.zeros([], tl.int32))
+        greedy_ok = (token == argmax) & (x_max > float("-inf"))
+        accept = tested & tl.where(greedy, greedy_ok, u * draft < target)
+        rejected = tested & (~accept) & (~greedy)
+
+        if MODE == 0:
+            p_mass = tl.where(rejected, p_mass - p_token, p_mass)
+            last_removed = tl.where(rejected & (p_token > 0.0), token, last_removed)
+        else:
+            new_mass = tl.full([], 0.0, tl.float32)
+            has_mass = tl.full([], 0, tl.int32)
+            if rejected:
+                # One pass over the node's rows: the mass of max(p_k - q_{k+1}, 0).
+                for start in range(0, V, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    mask = offs < V
+                    pv = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm,
+                                        inv_t)
+                    qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                    rv, gone_v = _residual(pv, qv, offs, steps, masses, q_masses, tokens,
+                                           applied, idx, MODE == 2)
+                    if MODE == 2:
+                        qv = _wor_draft(qv, gone_v, q_mass)
+                    nv = tl.maximum(tl.math.div_rn(rv, p_mass) - qv, 0.0)
+                    nv = tl.where(mask, nv, 0.0)
+                    new_mass += tl.sum(nv, axis=0)
+                    has_mass = tl.maximum(has_mass, tl.max((nv > 0.0).to(tl.int32), axis=0))
+            masses = tl.where(rejected & (idx == steps), p_mass, masses)
+            q_masses = tl.where(rejected & (idx == steps), q_mass, q_masses)
+            applied = tl.where(rejected & (idx == steps), has_mass, applied)
+            p_mass = tl.where(rejected & (has_mass != 0), new_mass, p_mass)
+            if MODE == 2:
+                q_mass = tl.where(rejected, q_mass - tl.where(gone, 0.0, q_x), q_mass)
+        tokens = tl.where(rejected & (idx == steps), token, tokens)
+        steps = tl.where(rejected, steps + 1, steps)
+
+        out = tl.where(accept & (idx == depth), token, out)
+        depth = tl.where(accept, depth + 1, depth)
+        path = tl.where(accept & (idx == depth), node, path)
+        current = tl.where(accept, node, current)
+        steps = tl.where(accept, 0, steps)
+        p_mass = tl.where(accept, 1.0, p_mass)
+        q_mass = tl.where(accept, 1.0, q_mass)
+        last_removed = tl.where(accept, -1, last_removed)
+
+    # The correction (rejections pending) or bonus token, from the current node's row.
+    row = req * N + current
+    x_max = tl.load(stats_ptr + row * 3 + 0)
+    x_thr = tl.load(stats_ptr + row * 3 + 1)
+    norm = tl.load(stats_ptr + row * 3 + 2)
+    argmax = tl.load(argmax_ptr + row)
+    row_ptr = logits_req + current.to(tl.int64) * stride_ln
+    q_row_ptr = q_req + current.to(tl.int64) * stride_qn
+    best = tl.full([], -1.0, tl.float32)
+    best_idx = tl.full([], 2147483647, tl.int32)
+    if temperature != 0.0:  # greedy: the arg-max from the stats, no pass
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < V
+            weight = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm, inv_t)
+            if MODE == 0:
+                removed = (offs[:, None] == tokens[None, :]) & (idx[None, :] < steps)
+                weight = tl.where(tl.max(removed.to(tl.int32), axis=1) != 0, 0.0, weight)
+            else:
+                if steps > 0:
+                    qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                    weight, _ = _residual(weight, qv, offs, steps, masses, q_masses, tokens,
+                                          applied, idx, MODE == 2)
+            noise = trng.exponential(seed, offset, current, PURPOSE_RESAMPLE, offs)
+            score = tl.where(mask & (weight > 0.0), tl.math.div_rn(weight, noise), -1.0)
+            top, arg = _block_best(score, offs)
+            best, best_idx = _better(top, arg, best, best_idx)
+    sampled = tl.where(best >= 0.0, best_idx, -1)
+    if MODE == 0:
+        # Removals left no mass (rounding only): the last removed token was all that remained.
+        sampled = tl.where((sampled < 0) & (last_removed >= 0), last_removed, sampled)
+    final = tl.where(greedy, tl.where(x_max > float("-inf"), argmax, -1), sampled)
+    out = tl.where(idx == depth, final, out)
+
+    live = idx < N
+    tl.store(out_ptr + req64 * N + idx, out, mask=live)
+    tl.store(path_ptr + req64 * N + idx, path, mask=live)
+    tl.store(num_accepted_ptr + req, depth)
+
+
+def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
+                parents: torch.Tensor, draft_probs: torch.Tensor | None, draft_sampling: str,
+                num_nodes: torch.Tensor, params, seeds: torch.Tensor,
+                offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(output_token_ids [B, N] int32, accepted_nodes [B, N] int32,
+    num_accepted [B] int32)``; arguments parsed by the public layer (``num_nodes`` int32
+    ``[B]``, seeds/offsets int64 ``[B]``). Two launches, no host synchronisation."""
+    target_logits = _last_dim_contiguous(target_logits)
+    batch, nodes, vocab = target_logits.shape
+    device = target_logits.device
+    out = torch.empty((batch, nodes), dtype=torch.int32, device=device)
+    path = torch.empty((batch, nodes), dtype=torch.int32, device=device)
+    num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
+    if batch == 0:
+        return out, path, num_accepted
+    ids = tree_token_ids if tree_token_ids.stride(-1) == 1 else tree_token_ids.contiguous()
+    par = parents if parents.stride(-1) == 1 else parents.contiguous()
+    stats, argmax = row_stats(target_logits, params, nodes, target_logits.stride(0),
+                              target_logits.stride(1))
+    if draft_probs is None:
+        mode, q, q_strides = MODE_DETERMINISTIC, torch.zeros(1, device=device), (0, 0)
+    else:
+        mode = _MODES[draft_sampling]
+        q = _last_dim_contiguous(draft_probs)
+        q_strides = (q.stride(0), q.stride(1))
+    interp = device.type != "cuda"
+    _tree_walk_kernel[(batch,)](
+        target_logits, target_logits.stride(0), target_logits.stride(1), stats, argmax,
+        q, q_strides[0], q_strides[1], ids, ids.stride(0), par, par.stride(0),
+        num_nodes.to(torch.int32).contiguous(), params.temperature, seeds, offsets,
+        out, path, num_accepted, vocab, nodes,
+        MODE=mode, N_P2=triton.next_power_of_2(nodes),
+        BLOCK=block_size(vocab, device, cap_gpu=1024), num_warps=1 if interp else 4)
+    return out, path, num_accepted
