@@ -123,8 +123,10 @@ class Problem:
 
 def assert_caches_equal(got, expected):
     for i, (g, e) in enumerate(zip(got, expected)):
-        if not torch.equal(as_bytes(g.cpu()), as_bytes(e.cpu())):
-            raise AssertionError(f"caches[{i}] differs in {int((as_bytes(g.cpu()) != as_bytes(e.cpu())).sum())} bytes")
+        got_bytes, expected_bytes = as_bytes(g.cpu()), as_bytes(e.cpu())
+        if not torch.equal(got_bytes, expected_bytes):
+            differ = int((got_bytes != expected_bytes).sum())
+            raise AssertionError(f"caches[{i}] differs in {differ} bytes")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +143,8 @@ def test_overlap_by_hand(backend, layout):
     values = torch.arange(seq, dtype=torch.float32)
     heads = torch.stack([values, 100 + values])                      # [H, S]
     cache = (heads.T if layout == "bshd" else heads)[None, ..., None].repeat(2, 1, 1, 1)
-    new = compact_kv_cache([cache], torch.tensor([2, 1]), torch.tensor([[0, 2, 3, -1], [0, 1, -1, -1]]),
+    new = compact_kv_cache([cache], torch.tensor([2, 1]),
+                           torch.tensor([[0, 2, 3, -1], [0, 1, -1, -1]]),
                            torch.tensor([2, 1]), layout=layout, backend=backend)
     assert new.tolist() == [5, 3]
     first = cache[0, :, 0, 0] if layout == "bshd" else cache[0, 0, :, 0]

@@ -172,7 +172,7 @@ GOOD = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]])
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kwargs, argument, needle", [
-    (dict(parents=torch.tensor([[-1, 0, 3, 2]])), "parents", "cycle or forward edge"),  # 2<->3 cycle
+    (dict(parents=torch.tensor([[-1, 0, 3, 2]])), "parents", "cycle or forward edge"),  # 2 <-> 3
     (dict(parents=torch.tensor([[-1, 0, 0, 5]])), "parents", "parents[0, 3] = 5"),      # forward
     (dict(parents=torch.tensor([[-1, 0, 2, 1]])), "parents", "parents[0, 2] = 2"),      # self
     (dict(parents=torch.tensor([[-1, 0, -1, 1]])), "parents", "without a parent"),

@@ -119,7 +119,8 @@ def _validate(kv_lens, accepted_nodes, num_accepted, *, seq_len=None, block_tabl
         capacity = torch.full_like(end, columns * block_size)
         bad_end = end >= capacity
         column = torch.arange(columns, device=device)[None, :]
-        touched = (column >= (start // block_size)[:, None]) & (column <= (end // block_size)[:, None])
+        touched = ((column >= (start // block_size)[:, None])
+                   & (column <= (end // block_size)[:, None]))
         table = block_tables.to(torch.int64)
         bad_block = (touched & ((table < 0) | (table >= num_blocks))).any(1)
     checks = [bad_len, bad_count, bad_root, bad_order, bad_node, bad_end, bad_block]

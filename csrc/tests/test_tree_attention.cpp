@@ -123,8 +123,9 @@ void test_random(int64_t n, uint32_t seed) {
       if (b == 1 && i > 0 && i < num_nodes[b]) parents[b * n + i] = i - 1;  // a chain
     }
   }
-  const std::vector<Index> p(parents.begin(), parents.end()), nn(num_nodes.begin(), num_nodes.end()),
-      pl(prefix.begin(), prefix.end());
+  const std::vector<Index> p(parents.begin(), parents.end());
+  const std::vector<Index> nn(num_nodes.begin(), num_nodes.end());
+  const std::vector<Index> pl(prefix.begin(), prefix.end());
   const Outputs out = run(p, &nn, &pl, batch, n);
   check_against_walk(out, parents, num_nodes, prefix, batch, n);
   const Outputs split = run(p, &nn, &pl, batch, n, 3);

@@ -64,7 +64,8 @@ def compact_kv_cache(caches: Caches, kv_lens: torch.Tensor, accepted_nodes: torc
 
 
 def compact_paged_kv_cache(caches: Caches, block_tables: torch.Tensor, kv_lens: torch.Tensor,
-                           accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+                           accepted_nodes: torch.Tensor,
+                           num_accepted: torch.Tensor) -> torch.Tensor:
     """Paged caches ``[num_blocks, block_size, ...]``; position ``t`` of request ``b`` at block
     ``block_tables[b, t // block_size]``, slot ``t % block_size``."""
     caches = _as_list(caches)
