@@ -534,3 +534,26 @@ def test_cuda_more_than_256_layer_tensors():
                            problem.num_accepted.cuda())
     assert torch.equal(new.cpu(), problem.kv_lens + problem.num_accepted + 1)
     assert_caches_equal(gpu, expected)
+
+
+@needs_cuda
+@needs_extension
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_graph_capture(layout):
+    # validate=False: no synchronisation, no host-side work that a graph would skip.
+    problem = Problem(layout, batch=5, n=9, layers=3, dtype=torch.bfloat16, seed=31)
+    expected = problem.clone_caches()
+    problem.run(expected, backend="reference")
+    gpu = [c.cuda() for c in problem.caches]
+    args = dict(kv_lens=problem.kv_lens.cuda(), accepted=problem.accepted.cuda(),
+                num=problem.num_accepted.cuda())
+    if layout == "paged":
+        args["block_tables"] = problem.block_tables.cuda()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        new = problem.run(gpu, backend="extension", validate=False, **args)
+    assert_caches_equal(gpu, problem.caches)  # capture records, it does not run
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_caches_equal(gpu, expected)
+    assert torch.equal(new.cpu(), problem.kv_lens + problem.num_accepted + 1)

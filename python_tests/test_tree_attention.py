@@ -266,3 +266,17 @@ def test_cuda_unvalidated_bad_parents_agree():
     num_nodes = torch.tensor([6, 1000])
     got = build_tree_attention(parents.cuda(), num_nodes=num_nodes.cuda(), validate=False)
     assert_same(got, reference.build_tree_attention(parents, num_nodes=num_nodes))
+
+
+@needs_cuda
+@needs_extension
+def test_cuda_graph_capture():
+    parents, num_nodes, prefix_lens = (t.cuda() for t in random_trees(4, 40, seed=41))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = build_tree_attention(parents, num_nodes=num_nodes, prefix_lens=prefix_lens,
+                                   validate=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same(out, reference.build_tree_attention(parents.cpu(), num_nodes=num_nodes.cpu(),
+                                                    prefix_lens=prefix_lens.cpu()))
