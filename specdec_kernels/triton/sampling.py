@@ -317,7 +317,12 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     if IS_CHAIN:
         num_accepted = tl.load(num_accepted_ptr + req)
         num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
-        rejected = num_accepted < num_draft
+        # A rejection of a live, in-range draft leaves a residual; an out-of-range id
+        # (validate=False) was never drawn from q, so its request samples p.
+        live = num_accepted < num_draft
+        rejected_id = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + num_accepted,
+                              mask=live, other=-1).to(tl.int64)
+        rejected = live & (rejected_id >= 0) & (rejected_id < V)
     else:
         num_accepted = tl.full([], 0, tl.int32)
         rejected = tl.full([], 0, tl.int1)
@@ -331,7 +336,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     end_v = tl.minimum(start_v + chunk_size, V)
 
     use_residual = rejected & (~greedy)
-    # The draft distribution at the rejected position (reference: drafts[last], invalid -> 0).
+    # The draft distribution at the rejected position.
     last = tl.minimum(num_accepted, tl.maximum(K - 1, 0))
     draft_token = tl.full([], 0, tl.int32)
     q_row_ptr = q_ptr
@@ -390,8 +395,9 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
 
 
 @triton.jit
-def _race_reduce_kernel(stats_ptr, argmax_ptr, rows_per_req, num_draft_ptr, num_accepted_ptr,
-                        temperature_ptr, out_ptr, stride_out, part_score_ptr, part_index_ptr, K,
+def _race_reduce_kernel(stats_ptr, argmax_ptr, rows_per_req, draft_ids_ptr, stride_ids,
+                        num_draft_ptr, num_accepted_ptr, temperature_ptr, out_ptr, stride_out,
+                        part_score_ptr, part_index_ptr, V, K,
                         IS_CHAIN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                         CHUNKS_P2: tl.constexpr):
     """Combines the per-chunk race winners of one request (grid B), deterministically: max
@@ -403,7 +409,12 @@ def _race_reduce_kernel(stats_ptr, argmax_ptr, rows_per_req, num_draft_ptr, num_
     if IS_CHAIN:
         num_accepted = tl.load(num_accepted_ptr + req)
         num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
-        rejected = num_accepted < num_draft
+        # A rejection of a live, in-range draft leaves a residual; an out-of-range id
+        # (validate=False) was never drawn from q, so its request samples p.
+        live = num_accepted < num_draft
+        rejected_id = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + num_accepted,
+                              mask=live, other=-1).to(tl.int64)
+        rejected = live & (rejected_id >= 0) & (rejected_id < V)
     else:
         num_accepted = tl.full([], 0, tl.int32)
         rejected = tl.full([], 0, tl.int1)
@@ -474,10 +485,12 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
 RACE_CHUNK_OVERRIDE: int | None = None
 
 
-def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int]:
-    """(chunk_size, num_chunks) for the race: enough programs to fill the GPU when B is small."""
-    block = block_size(vocab, device)
+def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
+    """(chunk_size, num_chunks, BLOCK) of the race: enough programs to fill the GPU when B is
+    small (a shape-only choice, so no synchronisation)."""
+    block = block_size(vocab, device, cap_gpu=1024)
     if RACE_CHUNK_OVERRIDE is not None:
+        block = min(block, max(16, triton.next_power_of_2(RACE_CHUNK_OVERRIDE)))
         chunk = RACE_CHUNK_OVERRIDE
     elif _interpreted(device):
         chunk = vocab
@@ -486,7 +499,7 @@ def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int]
         want = max(1, (4 * sms + batch - 1) // batch)
         chunk = max(4 * block, triton.cdiv(vocab, want))
     chunk = triton.cdiv(max(chunk, 1), block) * block
-    return chunk, triton.cdiv(vocab, chunk)
+    return chunk, triton.cdiv(vocab, chunk), block
 
 
 def _dummy(device: torch.device, dtype=torch.float32) -> torch.Tensor:
@@ -507,7 +520,7 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
     device = logits.device
     if batch == 0:
         return
-    chunk, num_chunks = race_chunks(batch, vocab, device)
+    chunk, num_chunks, block = race_chunks(batch, vocab, device)
     is_chain = num_accepted is not None
     dummy_f, dummy_i = _dummy(device), _dummy(device, torch.int32)
     part_score = torch.empty((batch, num_chunks, 2), dtype=torch.float32, device=device) \
@@ -526,13 +539,15 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
         params.temperature, seeds, offsets, out, stride_out, part_score, part_index,
         vocab, num_drafts, chunk,
         PURPOSE=purpose, IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=num_chunks,
-        BLOCK=block_size(vocab, device, cap_gpu=1024), num_warps=1 if interp else 4)
+        BLOCK=block, num_warps=1 if interp else 4)
     if num_chunks > 1:
         _race_reduce_kernel[(batch,)](
             stats, argmax, rows_per_req,
+            draft_ids if draft_ids is not None else dummy_i,
+            draft_ids.stride(0) if draft_ids is not None else 0,
             num_draft if num_draft is not None else dummy_i,
             num_accepted if num_accepted is not None else dummy_i,
-            params.temperature, out, stride_out, part_score, part_index, num_drafts,
+            params.temperature, out, stride_out, part_score, part_index, vocab, num_drafts,
             IS_CHAIN=is_chain, NUM_CHUNKS=num_chunks,
             CHUNKS_P2=triton.next_power_of_2(num_chunks), num_warps=1)
 

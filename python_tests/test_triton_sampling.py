@@ -1,0 +1,158 @@
+"""Triton row statistics and ``sample`` against the reference, token for token.
+
+Runs under TRITON_INTERPRET=1 on CPU (CI) or on a GPU. Token mismatches are allowed only
+when a decision sits within float rounding of its threshold; the measured rate is printed
+and bounded.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels import _params
+from specdec_kernels.reference import sampling as ref
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _mixed_params(batch, vocab, gen):
+    """Per-request parameters mixing greedy, plain, top-k, top-p and both."""
+    kind = torch.arange(batch) % 5
+    temperature = torch.where(kind == 0, 0.0, 0.3 + 1.4 * torch.rand(batch, generator=gen))
+    top_k = torch.where((kind == 2) | (kind == 4),
+                        torch.randint(1, max(2, vocab), (batch,), generator=gen), 0)
+    top_p = torch.where((kind == 3) | (kind == 4), 0.05 + 0.9 * torch.rand(batch, generator=gen), 1.0)
+    return dict(temperature=temperature.to(DEVICE), top_k=top_k.to(DEVICE), top_p=top_p.to(DEVICE))
+
+
+def _logits(shape, dtype, gen, scale=3.0):
+    x = torch.randn(shape, generator=gen) * scale
+    return x.to(dtype).to(DEVICE)
+
+
+def _stats_probs(logits, params):
+    """Probabilities rebuilt from the kernel's row statistics (x_max, x_thr, norm, argmax)."""
+    from specdec_kernels.triton.sampling import row_stats
+    stats, argmax = row_stats(logits, params, 1, logits.stride(0), 0)
+    stats, argmax = stats.cpu(), argmax.cpu()
+    x = logits.float().cpu()
+    x = torch.where(torch.isfinite(x), x, -torch.inf)
+    t = params.temperature.cpu()[:, None]
+    inv_t = torch.where(t == 0, 1.0, 1.0 / torch.where(t == 0, 1.0, t))
+    x_max, x_thr, norm = stats[:, 0:1], stats[:, 1:2], stats[:, 2:3]
+    kept = (x > -torch.inf) & (x >= x_thr)
+    probs = torch.where(kept, torch.exp((x - x_max) * inv_t) / norm, 0.0)
+    one_hot = torch.zeros_like(probs).scatter_(1, argmax.long()[:, None], 1.0)
+    probs = torch.where(t == 0, one_hot, probs)
+    return torch.where(x_max > -torch.inf, probs, 0.0), argmax
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 5, 257, 1000])
+def test_row_stats_give_the_reference_distribution(dtype, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    batch = 20
+    logits = _logits((batch, vocab), dtype, gen)
+    if vocab > 4:
+        logits[1, ::3] = -torch.inf            # a grammar mask
+        logits[2] = -torch.inf                 # no finite logit
+        logits[3, 1] = torch.nan               # NaN counts as -inf
+        logits[4, :vocab // 2] = logits[4, 0]  # a block of exact ties (kth boundary ties kept)
+    params = _params.sampling_params(**_mixed_params(batch, vocab, gen), batch=batch,
+                                     vocab_size=vocab, device=logits.device, validate=True)
+    probs, argmax = _stats_probs(logits, params)
+    expected = ref.processed_probs(logits.cpu(), params.temperature.cpu(), params.top_k.cpu(),
+                                   params.top_p.cpu())
+    # The kept set (top-k/top-p thresholds, masks) is exact; the values within rounding.
+    assert torch.equal(probs > 0, expected > 0)
+    torch.testing.assert_close(probs, expected, rtol=2e-5, atol=1e-7)
+    x = torch.where(torch.isfinite(logits.float().cpu()), logits.float().cpu(), -torch.inf)
+    assert torch.equal(argmax.long(), x.argmax(-1))
+
+
+def test_top_k_ties_and_top_p_boundaries_are_exact():
+    # Integer logits: many exact ties, so off-by-one thresholds would show.
+    gen = torch.Generator().manual_seed(3)
+    batch, vocab = 24, 300
+    logits = torch.randint(-6, 6, (batch, vocab), generator=gen).float().to(DEVICE)
+    top_k = torch.randint(1, 40, (batch,), generator=gen).to(DEVICE)
+    top_p = torch.tensor([0.1, 0.5, 0.9, 0.99, 1.0, 0.3] * 4).to(DEVICE)
+    for kw in (dict(top_k=top_k), dict(top_p=top_p), dict(top_k=top_k, top_p=top_p)):
+        params = _params.sampling_params(0.8, kw.get("top_k"), kw.get("top_p"), batch=batch,
+                                         vocab_size=vocab, device=logits.device, validate=True)
+        probs, _ = _stats_probs(logits, params)
+        expected = ref.processed_probs(logits.cpu(), params.temperature.cpu(), params.top_k.cpu(),
+                                       params.top_p.cpu())
+        assert torch.equal(probs > 0, expected > 0), kw
+
+
+def _compare_sample(logits, params, seeds, offsets):
+    tokens = sk.sample(logits, seed=seeds, offset=offsets, backend="triton", **params)
+    expected = sk.sample(logits.cpu(), seed=seeds.cpu(), offset=offsets.cpu(), backend="reference",
+                         **{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in params.items()})
+    assert tokens.dtype == torch.int32 and tokens.shape == expected.shape
+    return tokens.cpu(), expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_matches_reference_token_for_token(dtype):
+    gen = torch.Generator().manual_seed(11)
+    total = mismatched = 0
+    for vocab in (1, 7, 1023, 3001):
+        batch = 20
+        logits = _logits((batch, vocab), dtype, gen)
+        if vocab > 2:
+            logits[0, vocab // 2:] = -torch.inf
+            logits[1] = -torch.inf
+            logits[2, 0] = torch.nan
+        seeds = torch.randint(-2**62, 2**62, (batch,), generator=gen).to(DEVICE)
+        offsets = torch.randint(0, 2**40, (batch,), generator=gen).to(DEVICE)
+        for params in (_mixed_params(batch, vocab, gen), dict(temperature=1.0),
+                       dict(temperature=0.0)):
+            tokens, expected = _compare_sample(logits, params, seeds, offsets)
+            assert ((tokens >= -1) & (tokens < vocab)).all()
+            if vocab > 2:
+                assert tokens[1] == -1
+            total += batch
+            mismatched += int((tokens != expected).sum())
+    rate = mismatched / total
+    print(f"sample {dtype}: {mismatched}/{total} tokens differ ({rate:.3%})")
+    assert rate <= 0.01
+
+
+def test_sample_split_vocabulary_race(monkeypatch):
+    """The split-V race (several programs per request + deterministic reduction) gives the
+    same tokens as one program per request."""
+    from specdec_kernels.triton import sampling as tsampling
+    gen = torch.Generator().manual_seed(5)
+    batch, vocab = 12, 1000
+    logits = _logits((batch, vocab), torch.bfloat16, gen)
+    logits[3] = -torch.inf
+    params = _mixed_params(batch, vocab, gen)
+    seeds = torch.arange(batch, device=DEVICE)
+    offsets = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+    whole = sk.sample(logits, seed=seeds, offset=offsets, backend="triton", **params)
+    monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", 128)
+    assert tsampling.race_chunks(batch, vocab, logits.device)[1] > 1
+    split = sk.sample(logits, seed=seeds, offset=offsets, backend="triton", **params)
+    assert torch.equal(whole, split)
+    assert split[3] == -1
+
+
+def test_sample_large_vocabulary():
+    gen = torch.Generator().manual_seed(7)
+    vocab = 128256
+    logits = _logits((2, vocab), torch.bfloat16, gen)
+    params = dict(temperature=torch.tensor([1.0, 0.6], device=DEVICE),
+                  top_p=torch.tensor([1.0, 0.9], device=DEVICE))
+    seeds = torch.tensor([1, 2], device=DEVICE)
+    offsets = torch.tensor([3, 4], device=DEVICE)
+    tokens, expected = _compare_sample(logits, params, seeds, offsets)
+    assert torch.equal(tokens, expected)
