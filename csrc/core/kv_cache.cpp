@@ -33,16 +33,17 @@ void compact_kv_cache_cpu(const CompactParams& params, int64_t item_begin, int64
     const int64_t kv_len = params.kv_lens[b];
     if (kv_len < 0) continue;
     const int64_t num_accepted = clamp_num_accepted(params.num_accepted[b], num_nodes_max);
-    // Path order: every source equal to a later destination has been read by then.
-    for (int64_t k = 1; k <= num_accepted; ++k) {
-      const int64_t node = params.accepted_nodes[b * num_nodes_max + k];
-      if (node == k || node < 0 || node >= num_nodes_max) continue;
-      const int64_t src = position_offset(g, params.block_tables, b, kv_len + node);
-      const int64_t dst = position_offset(g, params.block_tables, b, kv_len + k);
-      if (src < 0 || dst < 0) continue;
-      for (int64_t row = 0; row < g.rows_per_position; ++row) {
-        std::memmove(base + dst + row * g.row_stride, base + src + row * g.row_stride,
-                     static_cast<size_t>(g.row_bytes));
+    // Path order per row: every source equal to a later destination has been read by then.
+    // Rows outer: for "bhsd" the moves of one head touch neighbouring rows of one plane.
+    for (int64_t row = 0; row < g.rows_per_position; ++row) {
+      uint8_t* row_base = base + row * g.row_stride;
+      for (int64_t k = 1; k <= num_accepted; ++k) {
+        const int64_t node = params.accepted_nodes[b * num_nodes_max + k];
+        if (node == k || node < 0 || node >= num_nodes_max) continue;
+        const int64_t src = position_offset(g, params.block_tables, b, kv_len + node);
+        const int64_t dst = position_offset(g, params.block_tables, b, kv_len + k);
+        if (src < 0 || dst < 0) continue;
+        std::memmove(row_base + dst, row_base + src, static_cast<size_t>(g.row_bytes));
       }
     }
   }
