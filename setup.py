@@ -3,7 +3,8 @@
 The compiled extension ``specdec_kernels._C`` registers the ``torch.ops.specdec`` ops
 (tree-attention metadata, KV-cache compaction). With nvcc available (``CUDA_HOME`` or
 ``/usr/local/cuda``) it is a CUDAExtension compiled for sm_80 and sm_90 with the CUDA
-dispatch registered (``SPECDEC_WITH_CUDA``); otherwise a CPU-only CppExtension.
+dispatch registered (``SPECDEC_WITH_CUDA``); otherwise, or with ``SPECDEC_FORCE_CPU=1``, a
+CPU-only CppExtension.
 
     MAX_JOBS=2 python setup.py build_ext --inplace
     pip install -e . --no-build-isolation
@@ -14,17 +15,26 @@ import os
 from pathlib import Path
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 ROOT = Path(__file__).resolve().parent
 
 
-def _nvcc_available() -> bool:
+def _find_cuda_home() -> str | None:
+    """CUDA_HOME / CUDA_PATH, else /usr/local/cuda; exported before torch.utils.cpp_extension
+    is imported, since it fixes its CUDA_HOME at import (from ``which nvcc`` otherwise, which
+    may be a wrapper outside the toolkit)."""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if not cuda_home and Path("/usr/local/cuda/bin/nvcc").exists():
         cuda_home = "/usr/local/cuda"
-        os.environ["CUDA_HOME"] = cuda_home  # torch.utils.cpp_extension reads it at import
-    return bool(cuda_home) and (Path(cuda_home) / "bin" / "nvcc").exists()
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        os.environ["CUDA_HOME"] = cuda_home
+        return cuda_home
+    return None
+
+
+CUDA_HOME = None if os.environ.get("SPECDEC_FORCE_CPU") == "1" else _find_cuda_home()
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
 def _extension():
@@ -39,7 +49,7 @@ def _extension():
     # No -std flag: torch.utils.cpp_extension adds the standard its headers need (C++20 in
     # recent releases, C++17 in older ones); the core itself is plain C++17.
     cxx_flags = ["-O3"]
-    if os.environ.get("SPECDEC_FORCE_CPU") != "1" and _nvcc_available():
+    if CUDA_HOME is not None:
         return CUDAExtension(
             "specdec_kernels._C",
             sources + ["csrc/torch/ops_cuda.cpp", "csrc/core/kernels.cu"],
