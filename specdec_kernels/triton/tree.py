@@ -209,8 +209,9 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
             mask = offs < V
             weight = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm, inv_t)
             if MODE == 0:
-                removed = (offs[:, None] == tokens[None, :]) & (idx[None, :] < steps)
-                weight = tl.where(tl.max(removed.to(tl.int32), axis=1) != 0, 0.0, weight)
+                # O(steps) per element; a [BLOCK, N_P2] comparison would spill for large N.
+                for j in range(0, steps):
+                    weight = tl.where(offs == _pick(tokens, idx, j), 0.0, weight)
             else:
                 if steps > 0:
                     qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -267,3 +268,25 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
         MODE=mode, N_P2=triton.next_power_of_2(nodes),
         BLOCK=block_size(vocab, device, cap_gpu=1024), num_warps=1 if interp else 4)
     return out, path, num_accepted
+
+
+# Every kernel of this module at representative constexprs, for the compile-only resource
+# report (``bench/resources.py`` compiles each spec for sm_80 / sm_90 and reports registers and
+# spills). ``signature`` maps each runtime argument to its Triton type; ``constexprs`` gives
+# the compile-time ones. The walk's registers grow with N_P2 (per-rejection scalars).
+_WALK_SIGNATURE = {
+    "logits_ptr": "*bf16", "stride_lb": "i64", "stride_ln": "i64", "stats_ptr": "*fp32",
+    "argmax_ptr": "*i32", "q_ptr": "*fp32", "stride_qb": "i64", "stride_qn": "i64",
+    "ids_ptr": "*i64", "stride_ib": "i64", "parents_ptr": "*i64", "stride_pb": "i64",
+    "num_nodes_ptr": "*i32", "temperature_ptr": "*fp32", "seed_ptr": "*i64",
+    "offset_ptr": "*i64", "out_ptr": "*i32", "path_ptr": "*i32", "num_accepted_ptr": "*i32",
+    "V": "i32", "N": "i32",
+}
+COMPILE_SPECS = [
+    {"name": f"tree_walk_{mode_name}_n{n_p2}", "fn": _tree_walk_kernel,
+     "signature": _WALK_SIGNATURE,
+     "constexprs": {"MODE": mode, "N_P2": n_p2, "BLOCK": 1024}, "num_warps": 4}
+    for mode_name, mode in (("deterministic", MODE_DETERMINISTIC), ("iid", MODE_IID),
+                            ("without_replacement", MODE_WITHOUT_REPLACEMENT))
+    for n_p2 in (8, 64)
+]
