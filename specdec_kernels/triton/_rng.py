@@ -9,19 +9,27 @@ goes through ``log``, whose last-ulp rounding may differ between backends.
 import triton
 import triton.language as tl
 
-PHILOX_M0: tl.constexpr = 0xD2511F53
-PHILOX_M1: tl.constexpr = 0xCD9E8D57
-PHILOX_W0: tl.constexpr = 0x9E3779B9
-PHILOX_W1: tl.constexpr = 0xBB67AE85
+PHILOX_M0 = tl.constexpr(0xD2511F53)
+PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+PHILOX_W0 = tl.constexpr(0x9E3779B9)
+PHILOX_W1 = tl.constexpr(0xBB67AE85)
 
-PURPOSE_ACCEPT: tl.constexpr = 0
-PURPOSE_RESAMPLE: tl.constexpr = 1
-PURPOSE_SAMPLE: tl.constexpr = 2
+PURPOSE_ACCEPT = tl.constexpr(0)
+PURPOSE_RESAMPLE = tl.constexpr(1)
+PURPOSE_SAMPLE = tl.constexpr(2)
 
 
 @triton.jit
 def split_u64(value):
     """int64 scalar or tensor -> (low, high) uint32 words (two's complement, as ``_rng.py``)."""
+    lo = (value & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((value >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return lo, hi
+
+
+@triton.jit
+def split_u64(value):
+    """int64 tensor -> (low, high) uint32 words (two's complement, as ``_rng.py``)."""
     lo = (value & 0xFFFFFFFF).to(tl.uint32)
     hi = ((value >> 32) & 0xFFFFFFFF).to(tl.uint32)
     return lo, hi
@@ -109,3 +117,13 @@ def philox_reference_check(seed, offset, position, index, purpose: int):
     _uniform_test_kernel[(triton.cdiv(n, block),)](seed, offset, position, index, word, u, e, n,
                                                    PURPOSE=purpose, BLOCK=block)
     return word, u, e
+
+
+# Kernels compiled by bench/resources.py and python_tests/test_triton_compile.py for sm_80 and
+# sm_90 (no GPU needed): (kernel, argument types, constexprs, num_warps).
+COMPILE_SPECS = [
+    dict(name="philox_test_hook", kernel=_uniform_test_kernel,
+         signature=dict(seed_ptr="*i64", offset_ptr="*i64", position_ptr="*i64", index_ptr="*i64",
+                        word_ptr="*i64", u_ptr="*fp32", e_ptr="*fp32", n="i32"),
+         constexprs=dict(PURPOSE=1, BLOCK=256), num_warps=4),
+]

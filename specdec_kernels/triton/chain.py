@@ -144,3 +144,21 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
          q=q, q_mode=q_mode, q_strides=q_strides, q_stats=q_stats, draft_ids=draft_ids,
          num_draft=num_draft, num_accepted=num_accepted, num_drafts=num_drafts)
     return out, num_accepted
+
+
+def _accept_spec(dtype: str, q_dtype: str, q_mode: int) -> dict:
+    mode = ["", "one_hot", "draft_probs", "draft_logits"][q_mode]
+    return dict(
+        name=f"accept[{dtype},{mode}]", kernel=_accept_kernel,
+        signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
+                       stats_ptr="*fp32", argmax_ptr="*i32", q_ptr=f"*{q_dtype}",
+                       stride_q_req="i32", stride_q_row="i32", q_stats_ptr="*fp32",
+                       draft_ids_ptr="*i64", stride_ids="i32", num_draft_ptr="*i32",
+                       temperature_ptr="*fp32", seed_ptr="*i64", offset_ptr="*i64",
+                       out_ptr="*i32", stride_out="i32", num_accepted_ptr="*i32", V="i32", K="i32"),
+        constexprs=dict(PURPOSE=PURPOSE_ACCEPT, Q_MODE=q_mode, K_P2=8), num_warps=1)
+
+
+# Compiled for sm_80/sm_90 by bench/resources.py and python_tests/test_triton_compile.py.
+COMPILE_SPECS = [_accept_spec("bf16", "fp32", Q_ONE_HOT), _accept_spec("bf16", "fp32", Q_PROBS),
+                 _accept_spec("bf16", "bf16", Q_LOGITS)]

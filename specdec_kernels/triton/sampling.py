@@ -29,7 +29,7 @@ from . import _rng as trng
 
 # Pivots per search pass: each pass narrows the key interval by NUM_PIVOTS + 1.
 NUM_PIVOTS = 16
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 # Q modes of the race kernel (what the residual max(p - q, 0) subtracts).
 Q_NONE, Q_ONE_HOT, Q_PROBS, Q_LOGITS = 0, 1, 2, 3
@@ -454,7 +454,7 @@ def _search_config(vocab: int, device: torch.device) -> tuple[int, int]:
     registers; the interpreter pays per pass, not per element, so it takes more pivots."""
     if _interpreted(device):
         return max(16, min(triton.next_power_of_2(vocab), 2048)), 256
-    return max(16, min(triton.next_power_of_2(vocab), 256)), NUM_PIVOTS
+    return max(16, min(triton.next_power_of_2(vocab), 128)), NUM_PIVOTS
 
 
 def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
@@ -488,7 +488,7 @@ RACE_CHUNK_OVERRIDE: int | None = None
 def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
     """(chunk_size, num_chunks, BLOCK) of the race: enough programs to fill the GPU when B is
     small (a shape-only choice, so no synchronisation)."""
-    block = block_size(vocab, device, cap_gpu=1024)
+    block = block_size(vocab, device, cap_gpu=512)
     if RACE_CHUNK_OVERRIDE is not None:
         block = min(block, max(16, triton.next_power_of_2(RACE_CHUNK_OVERRIDE)))
         chunk = RACE_CHUNK_OVERRIDE
@@ -569,3 +569,51 @@ def sample(logits: torch.Tensor, params, seeds: torch.Tensor, offsets: torch.Ten
     race(logits, logits.stride(0), 0, 1, stats, argmax, params, seeds, offsets, out, 1,
          purpose=PURPOSE_SAMPLE)
     return out
+
+
+# ----------------------------------------------------------------------------- compile registry
+
+def _stats_spec(dtype: str, key_shift: int, filters: bool) -> dict:
+    return dict(
+        name=f"row_stats[{dtype}{',top_k+top_p' if filters else ''}]", kernel=_row_stats_kernel,
+        signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
+                       rows_per_req="i32", temperature_ptr="*fp32", top_k_ptr="*i32",
+                       top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32", V="i32"),
+        constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift, BLOCK=2048,
+                        BLOCK_S=128, NUM_PIVOTS=NUM_PIVOTS),
+        num_warps=8)
+
+
+def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True) -> dict:
+    mode = ["p", "one_hot", "draft_probs", "draft_logits"][q_mode]
+    return dict(
+        name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}]", kernel=_race_kernel,
+        signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
+                       rows_per_req="i32", stats_ptr="*fp32", argmax_ptr="*i32",
+                       q_ptr=f"*{q_dtype}", stride_q_req="i32", stride_q_row="i32",
+                       q_stats_ptr="*fp32", draft_ids_ptr="*i64", stride_ids="i32",
+                       num_draft_ptr="*i32", num_accepted_ptr="*i32", temperature_ptr="*fp32",
+                       seed_ptr="*i64", offset_ptr="*i64", out_ptr="*i32", stride_out="i32",
+                       part_score_ptr="*fp32", part_index_ptr="*i32", V="i32", K="i32",
+                       chunk_size="i32"),
+        constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
+                        IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=chunks, BLOCK=512),
+        num_warps=4)
+
+
+# (kernel, argument types, constexprs, num_warps) of every kernel here, in the configurations
+# the launchers use on a GPU: compiled for sm_80/sm_90 by bench/resources.py and the tests.
+COMPILE_SPECS = [
+    _stats_spec("bf16", 16, False), _stats_spec("bf16", 16, True),
+    _stats_spec("fp16", 13, True), _stats_spec("fp32", 0, False), _stats_spec("fp32", 0, True),
+    _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False),
+    _race_spec("bf16", "fp32", Q_ONE_HOT, 8), _race_spec("bf16", "fp32", Q_PROBS, 1),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8), _race_spec("fp32", "fp32", Q_LOGITS, 1),
+    dict(name="race_reduce[chunks=8]", kernel=_race_reduce_kernel,
+         signature=dict(stats_ptr="*fp32", argmax_ptr="*i32", rows_per_req="i32",
+                        draft_ids_ptr="*i64", stride_ids="i32", num_draft_ptr="*i32",
+                        num_accepted_ptr="*i32", temperature_ptr="*fp32", out_ptr="*i32",
+                        stride_out="i32", part_score_ptr="*fp32", part_index_ptr="*i32",
+                        V="i32", K="i32"),
+         constexprs=dict(IS_CHAIN=True, NUM_CHUNKS=8, CHUNKS_P2=8), num_warps=1),
+]
