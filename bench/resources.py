@@ -87,7 +87,10 @@ def compile_spec(spec: dict, arch: int) -> dict:
     from triton.compiler import ASTSource
     signature = dict(spec["signature"])
     signature.update({name: "constexpr" for name in spec["constexprs"]})
-    source = ASTSource(spec_kernel(spec), signature, dict(spec["constexprs"]))
+    kernel = spec_kernel(spec)
+    # Constexprs keyed by argument position: the form every Triton 3.x ASTSource accepts.
+    constexprs = {(kernel.arg_names.index(name),): value for name, value in spec["constexprs"].items()}
+    source = ASTSource(kernel, signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=spec["num_warps"]))
     meta = compiled.metadata
