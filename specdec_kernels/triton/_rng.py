@@ -9,14 +9,17 @@ goes through ``log``, whose last-ulp rounding may differ between backends.
 import triton
 import triton.language as tl
 
-PHILOX_M0 = tl.constexpr(0xD2511F53)
-PHILOX_M1 = tl.constexpr(0xCD9E8D57)
-PHILOX_W0 = tl.constexpr(0x9E3779B9)
-PHILOX_W1 = tl.constexpr(0xBB67AE85)
+from .. import _rng
 
-PURPOSE_ACCEPT = tl.constexpr(0)
-PURPOSE_RESAMPLE = tl.constexpr(1)
-PURPOSE_SAMPLE = tl.constexpr(2)
+# The constants live once, in specdec_kernels._rng; compiled kernels need them as constexprs.
+PHILOX_M0 = tl.constexpr(_rng.PHILOX_M0)
+PHILOX_M1 = tl.constexpr(_rng.PHILOX_M1)
+PHILOX_W0 = tl.constexpr(_rng.PHILOX_W0)
+PHILOX_W1 = tl.constexpr(_rng.PHILOX_W1)
+
+PURPOSE_ACCEPT = tl.constexpr(_rng.PURPOSE_ACCEPT)
+PURPOSE_RESAMPLE = tl.constexpr(_rng.PURPOSE_RESAMPLE)
+PURPOSE_SAMPLE = tl.constexpr(_rng.PURPOSE_SAMPLE)
 
 
 @triton.jit

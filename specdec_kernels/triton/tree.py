@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .._rng import PURPOSE_ACCEPT, PURPOSE_RESAMPLE
 from . import _rng as trng
 from .sampling import (_better, _block_best, _last_dim_contiguous, block_size,
                        inverse_temperature, load_logits, processed_prob, row_stats)
@@ -148,7 +147,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
         target = tl.where(p_mass > 0.0,
                           tl.math.div_rn(p_token, tl.where(p_mass > 0.0, p_mass, 1.0)),
                           tl.where(p_token > 0.0, float("inf"), 0.0))
-        u = trng.uniform(seed, offset, node, PURPOSE_ACCEPT, tl.zeros([], tl.int32))
+        u = trng.uniform(seed, offset, node, trng.PURPOSE_ACCEPT, tl.zeros([], tl.int32))
         greedy_ok = (token == argmax) & (x_max > float("-inf"))
         accept = tested & tl.where(greedy, greedy_ok, u * draft < target)
         rejected = tested & (~accept) & (~greedy)
@@ -217,7 +216,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                     qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                     weight, _ = _residual(weight, qv, offs, steps, masses, q_masses, tokens,
                                           applied, idx, MODE == 2)
-            noise = trng.exponential(seed, offset, current, PURPOSE_RESAMPLE, offs)
+            noise = trng.exponential(seed, offset, current, trng.PURPOSE_RESAMPLE, offs)
             score = tl.where(mask & (weight > 0.0), tl.math.div_rn(weight, noise), -1.0)
             top, arg = _block_best(score, offs)
             best, best_idx = _better(top, arg, best, best_idx)
@@ -266,7 +265,7 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
         num_nodes.to(torch.int32).contiguous(), params.temperature, seeds, offsets,
         out, path, num_accepted, vocab, nodes,
         MODE=mode, N_P2=triton.next_power_of_2(nodes),
-        BLOCK=block_size(vocab, device, cap_gpu=1024), num_warps=1 if interp else 4)
+        BLOCK=block_size(vocab, device, cap_gpu=WALK_BLOCK), num_warps=1 if interp else WALK_WARPS)
     return out, path, num_accepted
 
 
@@ -282,10 +281,15 @@ _WALK_SIGNATURE = {
     "offset_ptr": "*i64", "out_ptr": "*i32", "path_ptr": "*i32", "num_accepted_ptr": "*i32",
     "V": "i32", "N": "i32",
 }
+# Vocabulary block and warps of the walk's row passes: the only configuration of
+# {256, 512} x {2, 4, 8} that spills on neither sm_80 nor sm_90 (python_tests/test_triton_compile.py).
+WALK_BLOCK = 256
+WALK_WARPS = 8
+
 COMPILE_SPECS = [
     {"name": f"tree_walk_{mode_name}_n{n_p2}", "fn": _tree_walk_kernel,
      "signature": _WALK_SIGNATURE,
-     "constexprs": {"MODE": mode, "N_P2": n_p2, "BLOCK": 1024}, "num_warps": 4}
+     "constexprs": {"MODE": mode, "N_P2": n_p2, "BLOCK": WALK_BLOCK}, "num_warps": WALK_WARPS}
     for mode_name, mode in (("deterministic", MODE_DETERMINISTIC), ("iid", MODE_IID),
                             ("without_replacement", MODE_WITHOUT_REPLACEMENT))
     for n_p2 in (8, 64)
