@@ -44,14 +44,19 @@ def _check_caches(caches: Caches, *, paged: bool, layout: str) -> list[torch.Ten
         axes = "[B, S, H, D]" if layout == "bshd" else "[B, H, S, D]"
         raise ValueError(f"caches: expected 4-D {axes} tensors (layout={layout!r}), got shape "
                          f"{list(first.shape)}")
+    shape, dtype, device, strides = first.shape, first.dtype, first.device, first.stride()
     for i, cache in enumerate(caches[1:], start=1):
-        for what, got, expected in (("shape", list(cache.shape), list(first.shape)),
-                                    ("dtype", cache.dtype, first.dtype),
-                                    ("device", cache.device, first.device),
-                                    ("strides", cache.stride(), first.stride())):
-            if got != expected:
-                raise ValueError(f"caches[{i}]: expected the same {what} as caches[0] "
-                                 f"({expected}), got {got}")
+        # One cheap comparison per tensor (this runs on every decode step for every layer);
+        # the message is only built on failure.
+        if (cache.shape != shape or cache.dtype != dtype or cache.device != device
+                or cache.stride() != strides):
+            for what, got, expected in (("shape", list(cache.shape), list(shape)),
+                                        ("dtype", cache.dtype, dtype),
+                                        ("device", cache.device, device),
+                                        ("strides", cache.stride(), strides)):
+                if got != expected:
+                    raise ValueError(f"caches[{i}]: expected the same {what} as caches[0] "
+                                     f"({expected}), got {got}")
     if not _position_rows_ok(first, paged=paged, layout=layout):
         raise ValueError(f"caches: expected the elements of a cache position to be contiguous, "
                          f"or rows of a contiguous last dimension, got shape {list(first.shape)} "
