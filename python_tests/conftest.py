@@ -2,6 +2,7 @@ import importlib
 import os
 
 import pytest
+import torch
 
 
 def _triton_param(module: str):
@@ -19,3 +20,13 @@ def _triton_param(module: str):
 
 CHAIN_BACKENDS = ["reference", _triton_param("specdec_kernels.triton.chain")]
 SAMPLE_BACKENDS = ["reference", _triton_param("specdec_kernels.triton.sampling")]
+
+
+def mixed_params(batch, vocab, gen, device="cpu"):
+    """Per-request parameters mixing greedy, plain, top-k, top-p and both."""
+    kind = torch.arange(batch) % 5
+    temperature = torch.where(kind == 0, 0.0, 0.3 + 1.4 * torch.rand(batch, generator=gen))
+    top_k = torch.where((kind == 2) | (kind == 4),
+                        torch.randint(1, max(2, vocab), (batch,), generator=gen), 0)
+    top_p = torch.where((kind == 3) | (kind == 4), 0.05 + 0.9 * torch.rand(batch, generator=gen), 1.0)
+    return dict(temperature=temperature.to(device), top_k=top_k.to(device), top_p=top_p.to(device))

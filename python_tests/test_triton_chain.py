@@ -12,6 +12,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels.reference.sampling import processed_probs
+from conftest import mixed_params
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -19,15 +20,6 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MODES = ["one_hot", "draft_probs", "draft_logits"]
-
-
-def _mixed_params(batch, vocab, gen):
-    kind = torch.arange(batch) % 5
-    temperature = torch.where(kind == 0, 0.0, 0.3 + 1.4 * torch.rand(batch, generator=gen))
-    top_k = torch.where((kind == 2) | (kind == 4),
-                        torch.randint(1, max(2, vocab), (batch,), generator=gen), 0)
-    top_p = torch.where((kind == 3) | (kind == 4), 0.05 + 0.9 * torch.rand(batch, generator=gen), 1.0)
-    return dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 def _problem(batch, num_drafts, vocab, dtype, mode, gen, params):
@@ -77,7 +69,7 @@ def test_verify_chain_matches_reference(dtype, mode):
     gen = torch.Generator().manual_seed(hash((str(dtype), mode)) % 2**31)
     total = differ = accepted_total = 0
     for batch, num_drafts, vocab in ((12, 3, 301), (6, 1, 2048), (6, 4, 7)):
-        params = _mixed_params(batch, vocab, gen)
+        params = mixed_params(batch, vocab, gen)
         target, drafts, kwargs = _problem(batch, num_drafts, vocab, dtype, mode, gen, params)
         target[0, :, vocab // 2:] = -torch.inf   # a mask on every row of request 0
         target[1, 0, 0] = torch.nan
@@ -106,7 +98,7 @@ def test_many_random_cases_mismatch_rate():
     for trial in range(3):
         mode = MODES[trial % 3]
         batch, num_drafts, vocab = 40, 3, 113 + 50 * trial
-        params = _mixed_params(batch, vocab, gen)
+        params = mixed_params(batch, vocab, gen)
         target, drafts, kwargs = _problem(batch, num_drafts, vocab, torch.bfloat16, mode, gen, params)
         num_draft_tokens = torch.randint(0, num_drafts + 1, (batch,), generator=gen)
         seeds = torch.randint(-2**62, 2**62, (batch,), generator=gen)
@@ -123,12 +115,12 @@ def test_edge_cases(mode):
     gen = torch.Generator().manual_seed(1)
     # K = 0: the bonus token only.
     for vocab in (1, 33):
-        params = _mixed_params(6, vocab, gen)
+        params = mixed_params(6, vocab, gen)
         target, drafts, kwargs = _problem(6, 0, vocab, torch.float32, mode, gen, params)
         *_, same = _run(target, drafts, kwargs, params, None, torch.arange(6), torch.zeros(6, dtype=torch.long))
         assert same.all()
     # V = 1: every draft is token 0 and is accepted unless the row is masked.
-    params = _mixed_params(5, 1, gen)
+    params = mixed_params(5, 1, gen)
     target, drafts, kwargs = _problem(5, 2, 1, torch.float16, mode, gen, params)
     target[4, 1] = -torch.inf
     tokens, accepted, want, same = _run(target, drafts, kwargs, params, None, torch.arange(5),
@@ -160,7 +152,7 @@ def test_split_vocabulary_race(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     batch, num_drafts, vocab = 12, 3, 600
     results = []
-    params = _mixed_params(batch, vocab, gen)
+    params = mixed_params(batch, vocab, gen)
     target, drafts, kwargs = _problem(batch, num_drafts, vocab, torch.bfloat16, "draft_logits", gen, params)
     for override in (None, 64):
         monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", override)
@@ -185,7 +177,7 @@ def test_garbage_with_validate_false_stays_in_range():
     gen = torch.Generator().manual_seed(9)
     batch, num_drafts, vocab = 16, 4, 40
     for mode in MODES:
-        params = _mixed_params(batch, vocab, gen)
+        params = mixed_params(batch, vocab, gen)
         target, _, kwargs = _problem(batch, num_drafts, vocab, torch.float16, mode, gen, params)
         target[torch.rand(target.shape, generator=gen) < 0.2] = torch.nan
         target[torch.rand(target.shape, generator=gen) < 0.2] = torch.inf

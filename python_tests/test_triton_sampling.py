@@ -14,22 +14,13 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _params
 from specdec_kernels.reference import sampling as ref
+from conftest import mixed_params
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
     reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _mixed_params(batch, vocab, gen):
-    """Per-request parameters mixing greedy, plain, top-k, top-p and both."""
-    kind = torch.arange(batch) % 5
-    temperature = torch.where(kind == 0, 0.0, 0.3 + 1.4 * torch.rand(batch, generator=gen))
-    top_k = torch.where((kind == 2) | (kind == 4),
-                        torch.randint(1, max(2, vocab), (batch,), generator=gen), 0)
-    top_p = torch.where((kind == 3) | (kind == 4), 0.05 + 0.9 * torch.rand(batch, generator=gen), 1.0)
-    return dict(temperature=temperature.to(DEVICE), top_k=top_k.to(DEVICE), top_p=top_p.to(DEVICE))
 
 
 def _logits(shape, dtype, gen, scale=3.0):
@@ -65,7 +56,7 @@ def test_row_stats_give_the_reference_distribution(dtype, vocab):
         logits[2] = -torch.inf                 # no finite logit
         logits[3, 1] = torch.nan               # NaN counts as -inf
         logits[4, :vocab // 2] = logits[4, 0]  # a block of exact ties (kth boundary ties kept)
-    params = _params.sampling_params(**_mixed_params(batch, vocab, gen), batch=batch,
+    params = _params.sampling_params(**mixed_params(batch, vocab, gen, DEVICE), batch=batch,
                                      vocab_size=vocab, device=logits.device, validate=True)
     probs, argmax = _stats_probs(logits, params)
     expected = ref.processed_probs(logits.cpu(), params.temperature.cpu(), params.top_k.cpu(),
@@ -114,7 +105,7 @@ def test_sample_matches_reference_token_for_token(dtype):
             logits[2, 0] = torch.nan
         seeds = torch.randint(-2**62, 2**62, (batch,), generator=gen).to(DEVICE)
         offsets = torch.randint(0, 2**40, (batch,), generator=gen).to(DEVICE)
-        for params in (_mixed_params(batch, vocab, gen), dict(temperature=1.0),
+        for params in (mixed_params(batch, vocab, gen, DEVICE), dict(temperature=1.0),
                        dict(temperature=0.0)):
             tokens, expected = _compare_sample(logits, params, seeds, offsets)
             assert ((tokens >= -1) & (tokens < vocab)).all()
@@ -135,7 +126,7 @@ def test_sample_split_vocabulary_race(monkeypatch):
     batch, vocab = 12, 1000
     logits = _logits((batch, vocab), torch.bfloat16, gen)
     logits[3] = -torch.inf
-    params = _mixed_params(batch, vocab, gen)
+    params = mixed_params(batch, vocab, gen, DEVICE)
     seeds = torch.arange(batch, device=DEVICE)
     offsets = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
     whole = sk.sample(logits, seed=seeds, offset=offsets, backend="triton", **params)

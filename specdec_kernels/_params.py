@@ -33,6 +33,20 @@ def check_tensor(x, name: str, *, ndim: Optional[int] = None,
     return x
 
 
+def check_verify_logits(logits, name: str, rows: str) -> tuple[int, int, int]:
+    """``[B, R, V]`` logits of a verify call (``rows`` names R: ``"K+1"`` or ``"N"``) with
+    ``1 <= R <= 2**16`` (rows and drafts are Philox positions) and ``V >= 1``."""
+    from ._rng import MAX_POSITION
+    check_tensor(logits, name, ndim=3, dtypes=LOGIT_DTYPES)
+    batch, num_rows, vocab = logits.shape
+    if num_rows < 1 or vocab < 1:
+        raise ValueError(f"{name}: expected shape [B, {rows}, V] with {rows} >= 1 and V >= 1, "
+                         f"got {list(logits.shape)}")
+    if num_rows > MAX_POSITION:
+        raise ValueError(f"{name}: expected at most {MAX_POSITION} rows ({rows}), got {num_rows}")
+    return batch, num_rows, vocab
+
+
 def check_shape(x: torch.Tensor, name: str, expected: Sequence[Optional[int]], what: str = "") -> None:
     ok = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
     if not ok:

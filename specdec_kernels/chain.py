@@ -62,12 +62,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     >>> sk.verify_chain(logits, torch.tensor([[1, 2]]), temperature=0.0)
     ChainVerifyOutput(output_token_ids=tensor([[1, 0, -1]], dtype=torch.int32), num_accepted=tensor([1], dtype=torch.int32))
     """
-    _params.check_tensor(target_logits, "target_logits", ndim=3, dtypes=_params.LOGIT_DTYPES)
-    batch, rows, vocab = target_logits.shape
+    batch, rows, vocab = _params.check_verify_logits(target_logits, "target_logits", "K+1")
     device = target_logits.device
-    if rows < 1 or vocab < 1:
-        raise ValueError(f"target_logits: expected shape [B, K+1, V] with K+1 >= 1 and V >= 1, "
-                         f"got {list(target_logits.shape)}")
     num_drafts = rows - 1
     _params.check_tensor(draft_token_ids, "draft_token_ids", dtypes=_params.INDEX_DTYPES,
                          device=device)

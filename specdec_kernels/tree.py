@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _backend, _params, _rng
+from . import _backend, _params
 from ._params import PerRequest
 from .reference import tree as _reference
 
@@ -81,15 +81,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     >>> out.output_token_ids, out.accepted_nodes, out.num_accepted
     (tensor([[ 1,  2,  0, -1]], dtype=torch.int32), tensor([[ 0,  2,  3, -1]], dtype=torch.int32), tensor([2], dtype=torch.int32))
     """
-    _params.check_tensor(target_logits, "target_logits", ndim=3, dtypes=_params.LOGIT_DTYPES)
-    batch, nodes, vocab = target_logits.shape
+    batch, nodes, vocab = _params.check_verify_logits(target_logits, "target_logits", "N")
     device = target_logits.device
-    if nodes < 1 or vocab < 1:
-        raise ValueError(f"target_logits: expected shape [B, N, V] with N >= 1 and V >= 1, "
-                         f"got {list(target_logits.shape)}")
-    if nodes > _rng.MAX_POSITION:
-        raise ValueError(f"target_logits: expected at most {_rng.MAX_POSITION} nodes (N), "
-                         f"got {nodes}")
     for name, index in (("tree_token_ids", tree_token_ids), ("parents", parents)):
         _params.check_tensor(index, name, dtypes=_params.INDEX_DTYPES, device=device)
         _params.check_shape(index, name, [batch, nodes], "[B, N] from target_logits [B, N, V]")
