@@ -60,7 +60,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     >>> import torch, specdec_kernels as sk
     >>> logits = torch.tensor([[[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0]]])
     >>> sk.verify_chain(logits, torch.tensor([[1, 2]]), temperature=0.0)
-    ChainVerifyOutput(output_token_ids=tensor([[1, 0, -1]], dtype=torch.int32), num_accepted=tensor([1], dtype=torch.int32))
+    ChainVerifyOutput(output_token_ids=tensor([[ 1,  0, -1]], dtype=torch.int32), num_accepted=tensor([1], dtype=torch.int32))
     """
     batch, rows, vocab = _params.check_verify_logits(target_logits, "target_logits", "K+1")
     device = target_logits.device
