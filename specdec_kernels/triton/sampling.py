@@ -162,7 +162,8 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                       BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """Per-row statistics of the processed distribution; one program per row.
 
-    Bytes: reads V * elem_size once per row (online max, arg-max, sum-exp, finite count/min),
+    Bytes: reads V * elem_size once per row (online max, arg-max, sum-exp, finite count/min,
+    kept per lane of the [BLOCK] vector and reduced across lanes once after the loop),
     plus V * elem_size per pivot pass for a row whose top-k or top-p is active
     (~log_17(key span) passes each, <= 4 for bf16, <= 8 for fp32); rows with the filters off
     (and greedy rows) do no pass beyond the first. Writes 16 B per row (3 float32 + 1 int32).
@@ -174,25 +175,40 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
     greedy = temperature == 0.0
     inv_t = inverse_temperature(temperature)
 
-    x_max = tl.full([], float("-inf"), tl.float32)
-    x_min = tl.full([], float("inf"), tl.float32)
-    total = tl.full([], 0.0, tl.float32)
-    num_finite = tl.full([], 0, tl.int32)
-    best = tl.full([], 0, tl.int32)
+    # Streaming pass with per-lane accumulators: lane j of the [BLOCK] vectors sees offsets
+    # j, j + BLOCK, ... and keeps its own running max, online-softmax sum, earliest arg-max,
+    # finite min and count. The loop body is element-wise (no CTA-wide reduction, no barrier),
+    # so iterations are independent loads; the lanes are reduced once after the loop.
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK], tl.float32)
+    lane_arg = tl.full([BLOCK], 2147483647, tl.int32)
+    lane_min = tl.full([BLOCK], float("inf"), tl.float32)
+    lane_count = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = load_logits(row_ptr, offs, offs < V)
         finite = x > float("-inf")
-        block_max = tl.max(x, axis=0)
-        block_arg = tl.min(tl.where(x == block_max, offs, V), axis=0)
-        best = tl.where(block_max > x_max, block_arg, best)  # earlier block wins ties
-        new_max = tl.maximum(x_max, block_max)
-        rescale = tl.where(x_max == new_max, 1.0, tl.exp((x_max - new_max) * inv_t))
+        new_max = tl.maximum(lane_max, x)
+        # Offsets increase along a lane, so a strict > keeps the lane's earliest arg-max.
+        lane_arg = tl.where(x > lane_max, offs, lane_arg)
+        # Guarded for -inf: an unchanged max rescales by exactly 1 (also -inf == -inf).
+        rescale = tl.where(lane_max == new_max, 1.0, tl.exp((lane_max - new_max) * inv_t))
         e = tl.where(finite, tl.exp((x - new_max) * inv_t), 0.0)
-        total = total * rescale + tl.sum(e, axis=0)
-        x_max = new_max
-        x_min = tl.minimum(x_min, tl.min(tl.where(finite, x, float("inf")), axis=0))
-        num_finite += tl.sum(finite.to(tl.int32), axis=0)
+        lane_sum = lane_sum * rescale + e
+        lane_max = new_max
+        lane_min = tl.minimum(lane_min, tl.where(finite, x, float("inf")))
+        lane_count += finite.to(tl.int32)
+
+    x_max = tl.max(lane_max, axis=0)
+    # Lanes without a finite logit hold sum 0 at max -inf (skipped: -inf - -inf is NaN).
+    lane_live = lane_max > float("-inf")
+    lane_scale = tl.exp(tl.where(lane_live, lane_max - x_max, 0.0) * inv_t)
+    total = tl.sum(tl.where(lane_live, lane_sum * lane_scale, 0.0), axis=0)
+    # The lowest id among the lanes holding the row maximum (0 for a row with no finite logit).
+    best = tl.min(tl.where(lane_live & (lane_max == x_max), lane_arg, 2147483647), axis=0)
+    best = tl.where(x_max > float("-inf"), best, 0)
+    x_min = tl.min(lane_min, axis=0)
+    num_finite = tl.sum(lane_count, axis=0)
 
     has_finite = x_max > float("-inf")
     # The kept set is {key >= lo}; lo starts at the smallest finite key (everything kept).
@@ -246,12 +262,15 @@ def _race_chunk(row_ptr, q_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
     """Exponential race over tokens [start_v, end_v) of one row: the best ``p_i / E_i`` and,
     when RESIDUAL, the best ``max(p_i - q_i, 0) / E_i`` with whether that residual has mass
     or a NaN. ``E_i`` is the Philox Exp(1) noise of token i."""
-    best_p = tl.full([], -1.0, tl.float32)
-    idx_p = tl.full([], 2147483647, tl.int32)
-    best_r = tl.full([], -1.0, tl.float32)
-    idx_r = tl.full([], 2147483647, tl.int32)
-    has_mass = tl.full([], 0, tl.int32)
-    has_nan = tl.full([], 0, tl.int32)
+    # Per-lane winners across iterations (strict >: a lane's earliest offset among equal
+    # scores), reduced once after the loop (max score, lowest id among the lanes holding it):
+    # the same selection as a per-block reduction, with no CTA-wide reduction in the loop.
+    lane_p = tl.full([BLOCK], -1.0, tl.float32)
+    lane_idx_p = tl.full([BLOCK], 2147483647, tl.int32)
+    lane_r = tl.full([BLOCK], -1.0, tl.float32)
+    lane_idx_r = tl.full([BLOCK], 2147483647, tl.int32)
+    lane_mass = tl.zeros([BLOCK], tl.int32)
+    lane_nan = tl.zeros([BLOCK], tl.int32)
     for start in range(start_v, end_v, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < end_v
@@ -259,8 +278,9 @@ def _race_chunk(row_ptr, q_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
         p = processed_prob(x, x_max, x_thr, norm, inv_t)
         noise = trng.exponential(seed, offset, position, PURPOSE, offs)
         score = tl.where(p > 0, tl.math.div_rn(p, noise), -1.0)
-        top, arg = _block_best(score, offs)
-        best_p, idx_p = _better(top, arg, best_p, idx_p)
+        take = score > lane_p
+        lane_p = tl.where(take, score, lane_p)
+        lane_idx_p = tl.where(take, offs, lane_idx_p)
         if RESIDUAL:
             if Q_MODE == 1:
                 q = tl.where(offs == draft_token, 1.0, 0.0)
@@ -270,12 +290,19 @@ def _race_chunk(row_ptr, q_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
                 xq = load_logits(q_ptr, offs, mask)
                 q = processed_prob(xq, q_max, q_thr, q_norm, inv_t)
             diff = p - q
-            has_nan = tl.maximum(has_nan, tl.max((diff != diff).to(tl.int32), axis=0))
+            lane_nan = tl.maximum(lane_nan, (diff != diff).to(tl.int32))
             residual = tl.where(diff > 0, diff, 0.0)
-            has_mass = tl.maximum(has_mass, tl.max((residual > 0).to(tl.int32), axis=0))
+            lane_mass = tl.maximum(lane_mass, (residual > 0).to(tl.int32))
             score_r = tl.where(residual > 0, tl.math.div_rn(residual, noise), -1.0)
-            top_r, arg_r = _block_best(score_r, offs)
-            best_r, idx_r = _better(top_r, arg_r, best_r, idx_r)
+            take_r = score_r > lane_r
+            lane_r = tl.where(take_r, score_r, lane_r)
+            lane_idx_r = tl.where(take_r, offs, lane_idx_r)
+    # A race without a positive score returns -1 with index 2**31 - 1 (never used:
+    # _final_token and _race_reduce_kernel look at the index only when the score is >= 0).
+    best_p, idx_p = _block_best(lane_p, lane_idx_p)
+    best_r, idx_r = _block_best(lane_r, lane_idx_r)
+    has_mass = tl.max(lane_mass, axis=0)
+    has_nan = tl.max(lane_nan, axis=0)
     return best_p, idx_p, best_r, idx_r, has_mass, has_nan
 
 
@@ -305,7 +332,8 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     Bytes per request: reads one target row (V * elem_size), plus one draft row (V * elem_size
     of draft_probs / draft_logits) only when the request rejected a draft and is not greedy;
     reads ~64 B of stats/ids/parameters per program; writes 4 B (NUM_CHUNKS == 1) or 24 B
-    of partial results per program. Compute: one Philox-4x32-10 per token (the noise).
+    of partial results per program. Compute: one Philox-4x32-10 per token (the noise); the
+    race keeps a winner per lane of the [BLOCK] vector and reduces across lanes once per chunk.
     """
     req = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -457,6 +485,14 @@ def _search_config(vocab: int, device: torch.device) -> tuple[int, int]:
     return max(16, min(triton.next_power_of_2(vocab), 128)), NUM_PIVOTS
 
 
+# Vocabulary block of the statistics' streaming pass on a GPU (8 warps: 16 logits per thread).
+# With per-lane accumulators a larger block only adds registers (no reduction per block), and
+# it doubles the bytes each program has in flight per iteration; 4096 compiles without spills
+# on sm_80/sm_90 (python_tests/test_triton_compile.py), where 2048 spills with the filters on
+# sm_80. Not yet measured against 2048 on a GPU.
+STATS_BLOCK = 4096
+
+
 def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
               stride_row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``_row_stats_kernel`` over ``rows`` = numel / V rows of ``logits`` (``[..., V]``,
@@ -476,7 +512,7 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
         USE_TOP_K=bool(params.uses_top_k) and not params.all_greedy,
         USE_TOP_P=bool(params.uses_top_p) and not params.all_greedy,
         KEY_SHIFT=_KEY_SHIFT[logits.dtype],
-        BLOCK=block_size(vocab, logits.device), BLOCK_S=block_s,
+        BLOCK=block_size(vocab, logits.device, cap_gpu=STATS_BLOCK), BLOCK_S=block_s,
         NUM_PIVOTS=num_pivots, num_warps=1 if interp else 8)
     return stats, argmax
 
@@ -579,8 +615,8 @@ def _stats_spec(dtype: str, key_shift: int, filters: bool) -> dict:
         signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
                        rows_per_req="i32", temperature_ptr="*fp32", top_k_ptr="*i32",
                        top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32", V="i32"),
-        constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift, BLOCK=2048,
-                        BLOCK_S=128, NUM_PIVOTS=NUM_PIVOTS),
+        constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift,
+                        BLOCK=STATS_BLOCK, BLOCK_S=128, NUM_PIVOTS=NUM_PIVOTS),
         num_warps=8)
 
 

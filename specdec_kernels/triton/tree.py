@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import _rng as trng
-from .sampling import (_better, _block_best, _last_dim_contiguous, block_size,
+from .sampling import (_block_best, _last_dim_contiguous, block_size,
                        inverse_temperature, load_logits, processed_prob, row_stats)
 
 MODE_DETERMINISTIC, MODE_IID, MODE_WITHOUT_REPLACEMENT = 0, 1, 2
@@ -87,7 +87,8 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     without-replacement drafts, one target row and one draft row (V * (elem + q_elem)); for
     the final token, one target row (plus its draft row when residual steps are pending).
     Writes 2 * N * 4 + 4 B. Compute: O(k) flops per element of a pass after k rejections at
-    the node, one Philox-4x32-10 per token of the final pass.
+    the node, one Philox-4x32-10 per token of the final pass (whose race keeps a winner per
+    lane of the [BLOCK] vector, reduced across lanes once after the loop).
     """
     req = tl.program_id(0)
     req64 = req.to(tl.int64)
@@ -200,8 +201,10 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     argmax = tl.load(argmax_ptr + row)
     row_ptr = logits_req + current.to(tl.int64) * stride_ln
     q_row_ptr = q_req + current.to(tl.int64) * stride_qn
-    best = tl.full([], -1.0, tl.float32)
-    best_idx = tl.full([], 2147483647, tl.int32)
+    # Per-lane winners (strict >: a lane's earliest offset), reduced once after the loop:
+    # max score, lowest id among equal scores, with no CTA-wide reduction per block.
+    lane_best = tl.full([BLOCK], -1.0, tl.float32)
+    lane_idx = tl.full([BLOCK], 2147483647, tl.int32)
     if temperature != 0.0:  # greedy: the arg-max from the stats, no pass
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -218,8 +221,10 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                                           applied, idx, MODE == 2)
             noise = trng.exponential(seed, offset, current, trng.PURPOSE_RESAMPLE, offs)
             score = tl.where(mask & (weight > 0.0), tl.math.div_rn(weight, noise), -1.0)
-            top, arg = _block_best(score, offs)
-            best, best_idx = _better(top, arg, best, best_idx)
+            take = score > lane_best
+            lane_best = tl.where(take, score, lane_best)
+            lane_idx = tl.where(take, offs, lane_idx)
+    best, best_idx = _block_best(lane_best, lane_idx)
     sampled = tl.where(best >= 0.0, best_idx, -1)
     if MODE == 0:
         # Removals left no mass (rounding only): the last removed token was all that remained.
