@@ -319,6 +319,26 @@ def _final_token(greedy, has_finite, argmax, use_residual, best_p, idx_p, best_r
 
 
 @triton.jit
+def _sampled_row(req, num_accepted_ptr, num_draft_ptr, draft_ids_ptr, stride_ids, V, K,
+                 IS_CHAIN: tl.constexpr):
+    """(row within the request, whether a draft was rejected there): a chain samples row
+    ``num_accepted``, from the residual after a rejection; ``sample`` samples row 0."""
+    if IS_CHAIN:
+        num_accepted = tl.load(num_accepted_ptr + req)
+        num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
+        # A rejection of a live, in-range draft leaves a residual; an out-of-range id
+        # (validate=False) was never drawn from q, so its request samples p.
+        live = num_accepted < num_draft
+        rejected_id = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + num_accepted,
+                              mask=live, other=-1).to(tl.int64)
+        rejected = live & (rejected_id >= 0) & (rejected_id < V)
+    else:
+        num_accepted = tl.full([], 0, tl.int32)
+        rejected = tl.full([], 0, tl.int1)
+    return num_accepted, rejected
+
+
+@triton.jit
 def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, argmax_ptr,
                  q_ptr, stride_q_req, stride_q_row, q_stats_ptr,
                  draft_ids_ptr, stride_ids, num_draft_ptr, num_accepted_ptr,
@@ -342,18 +362,8 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     inv_t = inverse_temperature(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
-    if IS_CHAIN:
-        num_accepted = tl.load(num_accepted_ptr + req)
-        num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
-        # A rejection of a live, in-range draft leaves a residual; an out-of-range id
-        # (validate=False) was never drawn from q, so its request samples p.
-        live = num_accepted < num_draft
-        rejected_id = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + num_accepted,
-                              mask=live, other=-1).to(tl.int64)
-        rejected = live & (rejected_id >= 0) & (rejected_id < V)
-    else:
-        num_accepted = tl.full([], 0, tl.int32)
-        rejected = tl.full([], 0, tl.int1)
+    num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_ptr, draft_ids_ptr,
+                                          stride_ids, V, K, IS_CHAIN)
     row = req * rows_per_req + num_accepted
     row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
                + num_accepted.to(tl.int64) * stride_row)
@@ -434,18 +444,8 @@ def _race_reduce_kernel(stats_ptr, argmax_ptr, rows_per_req, draft_ids_ptr, stri
     req = tl.program_id(0)
     temperature = tl.load(temperature_ptr + req)
     greedy = temperature == 0.0
-    if IS_CHAIN:
-        num_accepted = tl.load(num_accepted_ptr + req)
-        num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
-        # A rejection of a live, in-range draft leaves a residual; an out-of-range id
-        # (validate=False) was never drawn from q, so its request samples p.
-        live = num_accepted < num_draft
-        rejected_id = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + num_accepted,
-                              mask=live, other=-1).to(tl.int64)
-        rejected = live & (rejected_id >= 0) & (rejected_id < V)
-    else:
-        num_accepted = tl.full([], 0, tl.int32)
-        rejected = tl.full([], 0, tl.int1)
+    num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_ptr, draft_ids_ptr,
+                                          stride_ids, V, K, IS_CHAIN)
     row = req * rows_per_req + num_accepted
     chunks = tl.arange(0, CHUNKS_P2)
     valid = chunks < NUM_CHUNKS
