@@ -87,13 +87,12 @@ def bench_tree_attention(batch_sizes=(1, 64, 256), node_counts=(16, 64, 128),
     return rows
 
 
-def random_paths(batch: int, nodes: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Root-first paths to a random node of a random tree: int32 ``[B, N]`` and ``[B]``."""
-    parents = random_parents(batch, nodes, seed).tolist()
-    gen = torch.Generator().manual_seed(seed + 1)
-    ends = torch.randint(0, nodes, (batch,), generator=gen).tolist()
-    accepted = torch.full((batch, nodes), -1, dtype=torch.int32)
-    num_accepted = torch.zeros(batch, dtype=torch.int32)
+def root_paths(parents, ends, nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Root-first paths to ``ends[b]`` in the tree ``parents[b]`` (lists of parent indices,
+    -1 at the root): ``accepted_nodes`` int32 ``[B, nodes]`` padded with -1 and
+    ``num_accepted`` int32 ``[B]``, as ``verify_tree`` returns them."""
+    accepted = torch.full((len(ends), nodes), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(len(ends), dtype=torch.int32)
     for b, node in enumerate(ends):
         path = []
         while node >= 0:
@@ -102,6 +101,14 @@ def random_paths(batch: int, nodes: int, seed: int = 0) -> tuple[torch.Tensor, t
         accepted[b, :len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
         num_accepted[b] = len(path) - 1
     return accepted, num_accepted
+
+
+def random_paths(batch: int, nodes: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Root-first paths to a random node of a random tree: int32 ``[B, N]`` and ``[B]``."""
+    parents = random_parents(batch, nodes, seed).tolist()
+    gen = torch.Generator().manual_seed(seed + 1)
+    ends = torch.randint(0, nodes, (batch,), generator=gen).tolist()
+    return root_paths(parents, ends, nodes)
 
 
 def _compaction_bytes(accepted: torch.Tensor, num_accepted: torch.Tensor, tensors: int,

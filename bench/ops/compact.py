@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..bench_extension import root_paths
 from ..harness import Case, Impl, Skip, torch_dtype
 from . import extension_op
 from .tree import eagle_tree
@@ -29,17 +30,7 @@ def _paths(batch: int, seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
     parents, _ = eagle_tree(TREE_NODES)
     gen = torch.Generator().manual_seed(seed)
     ends = torch.randint(1, TREE_NODES, (batch,), generator=gen).tolist()
-    accepted = torch.full((batch, TREE_NODES), -1, dtype=torch.int32)
-    num = torch.zeros(batch, dtype=torch.int32)
-    for b, node in enumerate(ends):
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        path.reverse()
-        accepted[b, :len(path)] = torch.tensor(path, dtype=torch.int32)
-        num[b] = len(path) - 1
-    return accepted, num
+    return root_paths([parents] * batch, ends, TREE_NODES)
 
 
 def moved_positions(accepted: torch.Tensor, num: torch.Tensor) -> int:
