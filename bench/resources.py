@@ -81,6 +81,19 @@ def spec_kernel(spec: dict):
     return spec["kernel"] if "kernel" in spec else spec["fn"]
 
 
+def _alignment_attrs(kernel, spec: dict) -> dict:
+    """The divisibility-by-16 hints Triton's launcher derives at run time from the arguments,
+    for the shapes the benchmarks use: every pointer (torch allocations are aligned), every
+    stride, ``V`` and ``chunk_size`` (32000, 128256 and 151936 are multiples of 16). Without
+    them the compile would assume unaligned rows and never vectorise a load. A spec may name
+    its own with ``divisible``."""
+    names = spec.get("divisible")
+    if names is None:
+        names = [name for name, kind in spec["signature"].items()
+                 if kind.startswith("*") or name.startswith("stride") or name in ("V", "chunk_size")]
+    return {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}
+
+
 def compile_spec(spec: dict, arch: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -90,7 +103,7 @@ def compile_spec(spec: dict, arch: int) -> dict:
     kernel = spec_kernel(spec)
     # Constexprs keyed by argument position: the form every Triton 3.x ASTSource accepts.
     constexprs = {(kernel.arg_names.index(name),): value for name, value in spec["constexprs"].items()}
-    source = ASTSource(kernel, signature, constexprs)
+    source = ASTSource(kernel, signature, constexprs, _alignment_attrs(kernel, spec))
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=spec["num_warps"]))
     meta = compiled.metadata

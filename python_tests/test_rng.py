@@ -44,9 +44,10 @@ def test_key_and_counter_layout():
     seed, offset = -(2 ** 40) - 3, 2 ** 33 + 5  # negative seeds use their two's complement
     word = _rng.random_words(torch.tensor(seed), torch.tensor(offset), 7, _rng.PURPOSE_RESAMPLE,
                              index=11)
-    counter = (11, 7 | (_rng.PURPOSE_RESAMPLE << 16), offset & M32, offset >> 32)
+    # Index 11 is word 11 % 4 = 3 of counter 11 // 4 = 2.
+    counter = (2, 7 | (_rng.PURPOSE_RESAMPLE << 16), offset & M32, offset >> 32)
     key = (seed & M32, (seed >> 32) & M32)
-    assert int(word) == _philox_python(counter, key)[0]
+    assert int(word) == _philox_python(counter, key)[3]
     u = _rng.uniform(torch.tensor(seed), torch.tensor(offset), 7, _rng.PURPOSE_RESAMPLE, 11)
     assert float(u) == (int(word) >> 8) * 2.0 ** -24
 
@@ -59,3 +60,21 @@ def test_uniforms_and_noise_ranges():
     e = _rng.exponential(torch.tensor(3), torch.tensor(0), 1, _rng.PURPOSE_ACCEPT,
                          torch.arange(100_000))
     assert torch.isfinite(e).all() and (e >= 0).all() and abs(float(e.mean()) - 1) < 0.02
+
+
+def test_four_tokens_per_philox():
+    """Index i is word i % 4 of counter i // 4; ``token_words`` (the race's layout, one Philox
+    per four tokens) equals ``random_words`` element by element, for ragged V too."""
+    seed, offset = torch.tensor([[5], [-(2 ** 62)]]), torch.tensor([[0], [2 ** 40 + 1]])
+    for vocab in (1, 3, 4, 5, 37):
+        fast = _rng.token_words(seed, offset, 9, _rng.PURPOSE_SAMPLE, vocab)
+        slow = _rng.random_words(seed, offset, 9, _rng.PURPOSE_SAMPLE, torch.arange(vocab))
+        assert fast.shape == (2, vocab) and torch.equal(fast, slow)
+    for index in range(8):
+        counter = (index // 4, 9 | (_rng.PURPOSE_SAMPLE << 16), 0, 0)
+        expected = _philox_python(counter, (5, 0))[index % 4]
+        assert int(_rng.random_words(torch.tensor(5), torch.tensor(0), 9, _rng.PURPOSE_SAMPLE,
+                                     index)) == expected
+    noise = _rng.token_exponential(seed, offset, 9, _rng.PURPOSE_SAMPLE, 37)
+    assert torch.equal(noise, _rng.exponential(seed, offset, 9, _rng.PURPOSE_SAMPLE,
+                                               torch.arange(37)))

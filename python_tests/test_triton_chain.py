@@ -154,8 +154,9 @@ def test_split_vocabulary_race(monkeypatch):
     results = []
     params = mixed_params(batch, vocab, gen)
     target, drafts, kwargs = _problem(batch, num_drafts, vocab, torch.bfloat16, "draft_logits", gen, params)
-    for override in (None, 64):
+    for override in (None, 64):  # 64: the race and the row statistics split over programs
         monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", override)
+        monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", override)
         tokens, accepted, want, same = _run(target, drafts, kwargs, params, None, torch.arange(batch),
                                             torch.ones(batch, dtype=torch.long))
         results.append(tokens)

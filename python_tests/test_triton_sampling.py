@@ -147,3 +147,30 @@ def test_sample_large_vocabulary():
     offsets = torch.tensor([3, 4], device=DEVICE)
     tokens, expected = _compare_sample(logits, params, seeds, offsets)
     assert torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_row_statistics_equal_one_program_per_row(monkeypatch, dtype):
+    """Rows split over programs (partials merged by ``_row_stats_finish_kernel``) give the
+    same thresholds and arg-max as one program per row, and a norm within float rounding.
+    Covers chunks without a finite logit, the row maximum in two chunks (the lower id wins)
+    and a vocabulary that is not a multiple of the chunk."""
+    from specdec_kernels.triton import sampling as tsampling
+    gen = torch.Generator().manual_seed(11)
+    batch, vocab = 15, 1000
+    logits = _logits((batch, vocab), dtype, gen)
+    logits[1, :700] = -torch.inf             # leading chunks with no finite logit
+    logits[2] = -torch.inf                   # no finite logit at all
+    logits[3, 10] = logits[3, 900] = 50.0    # the maximum in the first and the last chunk
+    logits[4, 5] = torch.nan
+    params = _params.sampling_params(**mixed_params(batch, vocab, gen, DEVICE), batch=batch,
+                                     vocab_size=vocab, device=logits.device, validate=True)
+    whole = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
+    for override in (64, 100, 256):
+        monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", override)
+        assert tsampling.stats_chunks(batch, vocab, logits.device)[1] > 1
+        split = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
+        assert torch.equal(split[1], whole[1]), "arg-max"
+        assert int(split[1][3]) == 10
+        assert torch.equal(split[0][:, :2], whole[0][:, :2]), "x_max and the top-k/top-p cut"
+        torch.testing.assert_close(split[0][:, 2], whole[0][:, 2], rtol=2e-6, atol=0)

@@ -6,6 +6,7 @@ when ``validate=True``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -57,10 +58,12 @@ def check_shape(x: torch.Tensor, name: str, expected: Sequence[Optional[int]], w
 
 def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
                 dtype: torch.dtype, default: Scalar) -> torch.Tensor:
-    """A per-request argument as a ``[batch]`` tensor of ``dtype`` on ``device``.
+    """A per-request argument as a ``[batch]`` tensor on ``device``.
 
-    Accepts None (the default), a Python scalar (broadcast), or a 0-D / ``[batch]`` tensor on
-    ``device``. No synchronisation.
+    Accepts None (the default), a Python scalar (broadcast, as ``dtype``), or a 0-D /
+    ``[batch]`` tensor on ``device`` (converted to ``dtype``, except that an int64 tensor asked
+    for as int32 stays int64: the caller checks its values, then narrows it). No
+    synchronisation.
     """
     if value is None:
         value = default
@@ -77,14 +80,53 @@ def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
         elif value.dim() != 1 or value.shape[0] != batch:
             raise ValueError(f"{name}: expected a scalar or a [{batch}] tensor (one per request), "
                              f"got shape {list(value.shape)}")
+        if dtype == torch.int32 and value.dtype == torch.int64:
+            return value.contiguous()
         return value.to(dtype).contiguous()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a Python number or a tensor, got {type(value).__name__}")
     if not dtype.is_floating_point and isinstance(value, float):
-        if value != int(value):
+        if not math.isfinite(value) or value != int(value):
             raise TypeError(f"{name}: expected an integer, got {value!r}")
         value = int(value)
-    return torch.full((batch,), value, dtype=dtype, device=device)
+    if dtype == torch.int32 and not -2**31 <= value < 2**31:
+        raise ValueError(f"{name}: expected a value that fits int32, got {value}")
+    return broadcast(value, batch, dtype, device)
+
+
+# Broadcast scalars, kept per (value, batch, dtype, device): an engine that passes the same
+# temperature every step pays neither an allocation nor a fill kernel. The tensors are
+# internal (never returned to the caller, never written). Bounded: oldest entry out first.
+_BROADCAST_CACHE: dict = {}
+_BROADCAST_CACHE_SIZE = 256
+
+
+def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.full((batch,), value)``, cached. Nothing is cached while a CUDA graph is being
+    captured: the fill of a tensor made under capture happens only when the graph replays."""
+    key = (type(value), value, batch, dtype, device)
+    cached = _BROADCAST_CACHE.get(key)
+    if cached is not None:
+        return cached
+    tensor = torch.full((batch,), value, dtype=dtype, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return tensor
+    if len(_BROADCAST_CACHE) >= _BROADCAST_CACHE_SIZE:
+        del _BROADCAST_CACHE[next(iter(_BROADCAST_CACHE))]
+    _BROADCAST_CACHE[key] = tensor
+    return tensor
+
+
+def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor for kernel arguments that the chosen mode never reads (never
+    filled: no kernel), one per device and dtype."""
+    key = ("scratch", dtype, device)
+    cached = _BROADCAST_CACHE.get(key)
+    if cached is None:
+        cached = torch.empty(1, dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _BROADCAST_CACHE[key] = cached
+    return cached
 
 
 def _any(mask: torch.Tensor) -> bool:
@@ -110,23 +152,44 @@ class SamplingParams:
 def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerRequest, *,
                     batch: int, vocab_size: int, device: torch.device,
                     validate: bool) -> SamplingParams:
+    if validate:  # scalars are checked here, on the host; tensors below, on their device
+        _check_scalar(temperature, "temperature", lambda t: t >= 0 and not math.isinf(t),
+                      "finite values >= 0 (0 = greedy)")
+        _check_scalar(top_k, "top_k", lambda k: k >= 0, "values >= 0 (0 disables)")
+        _check_scalar(top_p, "top_p", lambda p: 0 < p <= 1, "values in (0, 1] (1 disables)")
     t = per_request(temperature, "temperature", batch, device, torch.float32, 1.0)
-    k = per_request(top_k, "top_k", batch, device, torch.int64, 0)
+    if isinstance(top_k, torch.Tensor):
+        k = per_request(top_k, "top_k", batch, device, torch.int32, 0)
+    else:  # clamped on the host: values past int32 disable the filter like V does
+        k = per_request(_clamp_int32(top_k), "top_k", batch, device, torch.int32, 0)
     p = per_request(top_p, "top_p", batch, device, torch.float32, 1.0)
     if validate:
-        if _any(~(t >= 0)) or _any(torch.isinf(t)):
+        if isinstance(temperature, torch.Tensor) and (_any(~(t >= 0)) or _any(torch.isinf(t))):
             bad = t[~(t >= 0) | torch.isinf(t)][0].item()
             raise ValueError(f"temperature: expected finite values >= 0 (0 = greedy), got {bad}")
-        if _any(k < 0):
+        if isinstance(top_k, torch.Tensor) and _any(k < 0):
             raise ValueError(f"top_k: expected values >= 0 (0 disables), got {k[k < 0][0].item()}")
-        if _any(~((p > 0) & (p <= 1))):
+        if isinstance(top_p, torch.Tensor) and _any(~((p > 0) & (p <= 1))):
             bad = p[~((p > 0) & (p <= 1))][0].item()
             raise ValueError(f"top_p: expected values in (0, 1] (1 disables), got {bad}")
     uses_top_k = isinstance(top_k, torch.Tensor) or (top_k not in (None, 0) and top_k < vocab_size)
     uses_top_p = isinstance(top_p, torch.Tensor) or (top_p not in (None, 1, 1.0))
     all_greedy = (not isinstance(temperature, torch.Tensor)) and temperature == 0
-    k = k.clamp(0, 2**31 - 1).to(torch.int32)
+    if k.dtype != torch.int32:  # an int64 tensor: values past int32 disable the filter
+        k = k.clamp(0, 2**31 - 1).to(torch.int32)
     return SamplingParams(t, k, p, uses_top_k, uses_top_p, all_greedy)
+
+
+def _check_scalar(value, name: str, ok, expected: str) -> None:
+    """A Python-number parameter outside its range: ValueError (type errors come later)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not ok(value):
+        raise ValueError(f"{name}: expected {expected}, got {value}")
+
+
+def _clamp_int32(value):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        return type(value)(min(max(value, 0), 2**31 - 1))
+    return value
 
 
 def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
@@ -135,6 +198,16 @@ def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
     default generator, so ``torch.manual_seed`` makes runs repeatable."""
     if seed is None:
         seed = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64).to(device)
-    s = per_request(seed, "seed", batch, device, torch.int64, 0)
-    o = per_request(offset, "offset", batch, device, torch.int64, 0)
+    s = per_request(_as_int64(seed, "seed"), "seed", batch, device, torch.int64, 0)
+    o = per_request(_as_int64(offset, "offset"), "offset", batch, device, torch.int64, 0)
     return s, o
+
+
+def _as_int64(value, name: str):
+    """A Python int seed or offset as int64 bits: unsigned 64-bit values wrap (an engine's
+    uint64 seed keys the same Philox stream as its two's-complement int64)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not -2**63 <= value < 2**64:
+            raise ValueError(f"{name}: expected a 64-bit integer, got {value}")
+        return value - 2**64 if value >= 2**63 else value
+    return value

@@ -1,13 +1,16 @@
 """The one random-number scheme every backend shares (contract section 2).
 
-Every random number is word 0 of Philox-4x32-10 (Salmon et al., SC'11) applied to
+Every random number is one 32-bit word of Philox-4x32-10 (Salmon et al., SC'11) with
 
     key     = (seed_lo, seed_hi)                      the request's 64-bit seed
-    counter = (index, position | purpose << 16, offset_lo, offset_hi)
+    counter = (index // 4, position | purpose << 16, offset_lo, offset_hi)
+    word    = index % 4                               of the four output words
 
-where ``index`` is the vocabulary index for per-token noise (0 for a per-draft uniform),
-``position`` the node or row it belongs to (< 2**16) and ``purpose`` one of the streams below.
-Nothing depends on the request's row in the batch, the batch size, the backend or the device.
+where ``index`` is the vocabulary index for per-token noise (0 for a per-draft uniform, so
+word 0 of counter 0), ``position`` the node or row it belongs to (< 2**16) and ``purpose`` one
+of the streams below. One Philox evaluation serves four consecutive tokens, so the race's
+noise costs a quarter of a Philox per token. Nothing depends on the request's row in the
+batch, the batch size, the backend or the device.
 
 Positions:
   * ACCEPT: the draft being tested -- chain draft ``j`` (1-based, as in the contract) or tree
@@ -64,26 +67,47 @@ def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
     return c0, c1, c2, c3
 
 
-def random_words(seed: torch.Tensor, offset: torch.Tensor, position, purpose: int,
-                 index=0) -> torch.Tensor:
-    """Word 0 of Philox for each element (int64 holding uint32); arguments broadcast."""
+def _counter_words(seed, offset, position, purpose: int, counter):
+    """The four Philox words of ``counter`` (int64 tensors holding uint32; arguments broadcast)."""
     seed = torch.as_tensor(seed, dtype=torch.int64)
     offset = torch.as_tensor(offset, dtype=torch.int64, device=seed.device)
     position = torch.as_tensor(position, dtype=torch.int64, device=seed.device)
-    index = torch.as_tensor(index, dtype=torch.int64, device=seed.device)
     c1 = (position & 0xFFFF) | (purpose << 16)
-    word, _, _, _ = philox4x32(index, c1, offset & _MASK32, offset >> 32,
-                               seed & _MASK32, seed >> 32)
-    return word
+    return philox4x32(counter, c1, offset & _MASK32, offset >> 32, seed & _MASK32, seed >> 32)
+
+
+def random_words(seed: torch.Tensor, offset: torch.Tensor, position, purpose: int,
+                 index=0) -> torch.Tensor:
+    """Word ``index % 4`` of counter ``index // 4`` for each element (int64 holding uint32)."""
+    index = torch.as_tensor(index, dtype=torch.int64, device=torch.as_tensor(seed).device) & _MASK32
+    w0, w1, w2, w3 = _counter_words(seed, offset, position, purpose, index >> 2)
+    lane = index & 3
+    return torch.where(lane == 0, w0, torch.where(lane == 1, w1, torch.where(lane == 2, w2, w3)))
+
+
+def token_words(seed, offset, position, purpose: int, vocab_size: int) -> torch.Tensor:
+    """``random_words`` for indices ``0 .. vocab_size - 1`` along a new last dimension, with
+    one Philox per four tokens (the layout the kernels use)."""
+    seed = torch.as_tensor(seed, dtype=torch.int64)
+    counters = torch.arange((vocab_size + 3) // 4, device=seed.device)
+    words = torch.stack(_counter_words(seed, offset, position, purpose, counters), -1)
+    return words.flatten(-2)[..., :vocab_size]
+
+
+def _to_uniform(word: torch.Tensor) -> torch.Tensor:
+    return (word >> 8).to(torch.float32) * UNIFORM_SCALE
 
 
 def uniform(seed, offset, position, purpose: int, index=0) -> torch.Tensor:
     """float32 uniforms in [0, 1), exact multiples of 2**-24."""
-    word = random_words(seed, offset, position, purpose, index)
-    return (word >> 8).to(torch.float32) * UNIFORM_SCALE
+    return _to_uniform(random_words(seed, offset, position, purpose, index))
 
 
 def exponential(seed, offset, position, purpose: int, index=0) -> torch.Tensor:
     """float32 Exp(1) noise, ``-log(1 - u)``: finite, and 0 only when u == 0."""
-    u = uniform(seed, offset, position, purpose, index)
-    return -torch.log(1.0 - u)
+    return -torch.log(1.0 - uniform(seed, offset, position, purpose, index))
+
+
+def token_exponential(seed, offset, position, purpose: int, vocab_size: int) -> torch.Tensor:
+    """``exponential`` for indices ``0 .. vocab_size - 1`` along a new last dimension."""
+    return -torch.log(1.0 - _to_uniform(token_words(seed, offset, position, purpose, vocab_size)))

@@ -80,7 +80,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                                 "[B, K, V] from target_logits [B, K+1, V]")
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=validate)
-    n = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device, torch.int64,
+    n = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device, torch.int32,
                             num_drafts)
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     if validate:

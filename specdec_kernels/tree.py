@@ -96,7 +96,7 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
                             "[B, N, V] like target_logits")
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=validate)
-    n = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int64, nodes)
+    n = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     if validate:
         _check_tree_values(tree_token_ids, parents, n, nodes, vocab)

@@ -66,11 +66,10 @@ def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def race_noise(seed: torch.Tensor, offset: torch.Tensor, position, purpose: int,
                vocab_size: int) -> torch.Tensor:
     """``[B, V]`` Exp(1) noise for one row per request (``position`` is ``[B]`` or a scalar)."""
-    index = torch.arange(vocab_size, device=seed.device)
     position = torch.as_tensor(position, device=seed.device)
     if position.dim() == 1:
         position = position[:, None]
-    return _rng.exponential(seed[:, None], offset[:, None], position, purpose, index)
+    return _rng.token_exponential(seed[:, None], offset[:, None], position, purpose, vocab_size)
 
 
 def sample(logits: torch.Tensor, temperature, top_k, top_p, seed, offset) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Philox-4x32-10 in Triton, bit for bit the stream of ``specdec_kernels._rng``.
 
-Key ``(seed_lo, seed_hi)``, counter ``(index, position | purpose << 16, offset_lo, offset_hi)``,
-word 0 of the output. All arithmetic is uint32 (``tl.umulhi`` for the high half of the
-32x32 products), so the words equal the int64 emulation of the reference exactly; the float
-conversions below are exact too (24-bit integers times a power of two). Only ``exponential``
-goes through ``log``, whose last-ulp rounding may differ between backends.
+Key ``(seed_lo, seed_hi)``, counter ``(index // 4, position | purpose << 16, offset_lo,
+offset_hi)``, word ``index % 4``. All arithmetic is uint32 (``tl.umulhi`` for the high half of
+the 32x32 products), so the words equal the int64 emulation of the reference exactly; the
+float conversions below are exact too (24-bit integers times a power of two). Only the
+exponential noise goes through ``log``, whose last-ulp rounding may differ between backends.
 """
 import triton
 import triton.language as tl
@@ -24,14 +24,6 @@ PURPOSE_SAMPLE = tl.constexpr(_rng.PURPOSE_SAMPLE)
 
 @triton.jit
 def split_u64(value):
-    """int64 scalar or tensor -> (low, high) uint32 words (two's complement, as ``_rng.py``)."""
-    lo = (value & 0xFFFFFFFF).to(tl.uint32)
-    hi = ((value >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    return lo, hi
-
-
-@triton.jit
-def split_u64(value):
     """int64 tensor -> (low, high) uint32 words (two's complement, as ``_rng.py``)."""
     lo = (value & 0xFFFFFFFF).to(tl.uint32)
     hi = ((value >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -39,8 +31,8 @@ def split_u64(value):
 
 
 @triton.jit
-def philox_word0(c0, c1, c2, c3, k0, k1):
-    """Word 0 of Philox-4x32-10; every argument uint32 (scalars broadcast against ``c0``)."""
+def philox(c0, c1, c2, c3, k0, k1):
+    """The four words of Philox-4x32-10; every argument uint32 (scalars broadcast against ``c0``)."""
     m0 = tl.full([], PHILOX_M0, tl.uint32)
     m1 = tl.full([], PHILOX_M1, tl.uint32)
     w0 = tl.full([], PHILOX_W0, tl.uint32)
@@ -53,14 +45,13 @@ def philox_word0(c0, c1, c2, c3, k0, k1):
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0 = k0 + w0
         k1 = k1 + w1
-    return c0
+    return c0, c1, c2, c3
 
 
 @triton.jit
-def random_word(seed, offset, position, purpose: tl.constexpr, index):
-    """Word 0 for ``(seed, offset)`` int64 scalars, ``position`` int scalar (< 2**16) and
-    ``index`` an int tensor (the vocabulary index; 0 for per-draft uniforms).
-    (Helpers are inlined by hand: each nested call costs the interpreter a re-patch.)"""
+def _keyed_philox(seed, offset, position, purpose: tl.constexpr, counter):
+    """The four words of ``counter`` (a uint32 tensor) for int64 scalars ``seed``/``offset``
+    and an int scalar ``position`` (< 2**16)."""
     seed = seed.to(tl.int64)
     offset = offset.to(tl.int64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
@@ -68,23 +59,40 @@ def random_word(seed, offset, position, purpose: tl.constexpr, index):
     c2 = (offset & 0xFFFFFFFF).to(tl.uint32)
     c3 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c1 = ((position.to(tl.int64) & 0xFFFF) | (purpose << 16)).to(tl.uint32)
-    c0 = (index.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
-    zero = tl.zeros_like(c0)
-    return philox_word0(c0, c1 + zero, c2 + zero, c3 + zero, k0, k1)
+    zero = tl.zeros_like(counter)
+    return philox(counter, c1 + zero, c2 + zero, c3 + zero, k0, k1)
+
+
+@triton.jit
+def _select_word(w0, w1, w2, w3, lane):
+    return tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
+
+
+@triton.jit
+def _exponential(word):
+    """Exp(1) noise ``-log(1 - u)`` of ``u = (word >> 8) * 2**-24``: finite, 0 only when u == 0."""
+    return -tl.log(1.0 - (word >> 8).to(tl.float32) * 5.9604644775390625e-08)
 
 
 @triton.jit
 def uniform(seed, offset, position, purpose: tl.constexpr, index):
-    """float32 in [0, 1), an exact multiple of 2**-24: ``(word >> 8) * 2**-24``."""
-    word = random_word(seed, offset, position, purpose, index)
+    """float32 in [0, 1), an exact multiple of 2**-24: ``(word >> 8) * 2**-24`` of word
+    ``index % 4`` of counter ``index // 4`` (``index`` an int scalar or tensor)."""
+    index = (index.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
+    w0, w1, w2, w3 = _keyed_philox(seed, offset, position, purpose, index >> 2)
+    word = _select_word(w0, w1, w2, w3, index & 3)
     return (word >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
-def exponential(seed, offset, position, purpose: tl.constexpr, index):
-    """float32 Exp(1) noise ``-log(1 - u)``: finite, 0 only when u == 0."""
-    word = random_word(seed, offset, position, purpose, index)
-    return -tl.log(1.0 - (word >> 8).to(tl.float32) * 5.9604644775390625e-08)
+def token_noise(seed, offset, position, purpose: tl.constexpr, quad, QUADS: tl.constexpr):
+    """Exp(1) noise of tokens ``4 * quad + [0, 4*QUADS)`` as a ``[QUADS, 4]`` tile (row r,
+    column c: token ``4 * (quad + r) + c``): one Philox per row, its four words across."""
+    counter = (quad + tl.arange(0, QUADS)).to(tl.uint32)
+    w0, w1, w2, w3 = _keyed_philox(seed, offset, position, purpose, counter)
+    lane = tl.arange(0, 4)[None, :]
+    word = _select_word(w0[:, None], w1[:, None], w2[:, None], w3[:, None], lane)
+    return _exponential(word)
 
 
 @triton.jit
@@ -101,12 +109,13 @@ def _uniform_test_kernel(seed_ptr, offset_ptr, position_ptr, index_ptr, word_ptr
     k0, k1 = split_u64(seed)
     c2, c3 = split_u64(offset)
     c1 = ((position & 0xFFFF) | (PURPOSE << 16)).to(tl.uint32)
-    c0 = (index & 0xFFFFFFFF).to(tl.uint32)
-    word = philox_word0(c0, c1, c2, c3, k0, k1)
+    index32 = (index & 0xFFFFFFFF).to(tl.uint32)
+    w0, w1, w2, w3 = philox(index32 >> 2, c1, c2, c3, k0, k1)
+    word = _select_word(w0, w1, w2, w3, index32 & 3)
     u = (word >> 8).to(tl.float32) * 5.9604644775390625e-08
     tl.store(word_ptr + i, word.to(tl.int64), mask=mask)
     tl.store(u_ptr + i, u, mask=mask)
-    tl.store(e_ptr + i, -tl.log(1.0 - u), mask=mask)
+    tl.store(e_ptr + i, _exponential(word), mask=mask)
 
 
 def philox_reference_check(seed, offset, position, index, purpose: int):
@@ -117,7 +126,7 @@ def philox_reference_check(seed, offset, position, index, purpose: int):
     u = torch.empty(n, dtype=torch.float32, device=seed.device)
     e = torch.empty(n, dtype=torch.float32, device=seed.device)
     block = 256
-    _uniform_test_kernel[(triton.cdiv(n, block),)](seed, offset, position, index, word, u, e, n,
+    _uniform_test_kernel[((n + block - 1) // block,)](seed, offset, position, index, word, u, e, n,
                                                    PURPOSE=purpose, BLOCK=block)
     return word, u, e
 

@@ -20,9 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .._params import scratch
 from .._rng import PURPOSE_ACCEPT, PURPOSE_RESAMPLE
+from ._launch import next_pow2
 from . import _rng as trng
-from .sampling import (Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS, _last_dim_contiguous, inverse_temperature,
+from .sampling import (Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS, _last_dim_contiguous, exp2_scale,
                        load_logits, processed_prob, race, row_stats)
 
 
@@ -42,7 +44,7 @@ def _accept_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
     req = tl.program_id(0)
     temperature = tl.load(temperature_ptr + req)
     greedy = temperature == 0.0
-    inv_t = inverse_temperature(temperature)
+    scale = exp2_scale(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
     num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
@@ -64,7 +66,7 @@ def _accept_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
         norm = tl.load(stats_ptr + row * 3 + 2, mask=valid, other=1.0)
         argmax = tl.load(argmax_ptr + row, mask=valid, other=-1)
         x = load_logits(logits_row + j64 * stride_row, token, valid)
-        p = processed_prob(x, x_max, x_thr, norm, inv_t)
+        p = processed_prob(x, x_max, x_thr, norm, scale)
         if Q_MODE == 1:
             q = tl.full([], 1.0, tl.float32)
         elif Q_MODE == 2:
@@ -76,7 +78,7 @@ def _accept_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
             q_thr = tl.load(q_stats_ptr + q_stat_row * 3 + 1, mask=valid, other=0.0)
             q_norm = tl.load(q_stats_ptr + q_stat_row * 3 + 2, mask=valid, other=1.0)
             xq = load_logits(q_row + j64 * stride_q_row, token, valid)
-            q = processed_prob(xq, q_max, q_thr, q_norm, inv_t)
+            q = processed_prob(xq, q_max, q_thr, q_norm, scale)
         u = trng.uniform(seed, offset, j64 + 1, PURPOSE, tl.zeros([], tl.int32))
         # Greedy p is one-hot at the arg-max (zero everywhere on a row with no finite logit).
         greedy_ok = (token == argmax) & (x_max > float("-inf"))
@@ -129,7 +131,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         q_strides = (q.stride(0), q.stride(1))
     if num_drafts == 0:
         q_mode = Q_NONE  # no draft: the race is a bonus sample of p
-    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    dummy = scratch(device, torch.float32)
 
     _accept_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), stats, argmax,
@@ -138,7 +140,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         draft_ids, stride_ids, num_draft, params.temperature, seeds, offsets,
         out, out.stride(0), num_accepted, vocab, num_drafts,
         PURPOSE=PURPOSE_ACCEPT, Q_MODE=max(q_mode, Q_ONE_HOT),
-        K_P2=triton.next_power_of_2(rows), num_warps=1)
+        K_P2=next_pow2(rows), num_warps=1)
     race(target_logits, target_logits.stride(0), target_logits.stride(1), rows, stats, argmax,
          params, seeds, offsets, out, out.stride(0), purpose=PURPOSE_RESAMPLE,
          q=q, q_mode=q_mode, q_strides=q_strides, q_stats=q_stats, draft_ids=draft_ids,

@@ -24,12 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .._params import scratch
 from .._rng import PURPOSE_RESAMPLE, PURPOSE_SAMPLE
 from . import _rng as trng
+from ._launch import cdiv, interpreted, next_pow2, num_sms
 
 # Pivots per search pass: each pass narrows the key interval by NUM_PIVOTS + 1.
 NUM_PIVOTS = 16
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 # Q modes of the race kernel (what the residual max(p - q, 0) subtracts).
 Q_NONE, Q_ONE_HOT, Q_PROBS, Q_LOGITS = 0, 1, 2, 3
@@ -43,27 +46,34 @@ _KEY_SHIFT = {torch.float32: 0, torch.bfloat16: 16, torch.float16: 13}
 
 @triton.jit
 def load_logits(ptr, offs, mask):
-    """Logits as float32 with NaN and +-inf mapped to -inf (never sampled)."""
-    x = tl.load(ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    finite = (x == x) & (tl.abs(x) < float("inf"))
-    return tl.where(finite, x, float("-inf"))
+    """Logits as float32 with NaN and +-inf mapped to -inf (never sampled); ``mask`` None
+    for a full tile."""
+    if mask is None:
+        x = tl.load(ptr + offs).to(tl.float32)
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    # |NaN| < inf is false, so one comparison keeps exactly the finite logits.
+    return tl.where(tl.abs(x) < float("inf"), x, float("-inf"))
 
 
 @triton.jit
-def inverse_temperature(temperature):
-    """1/T (1 for greedy rows, whose z is x - x_max as in the reference), clamped so that a
-    denormal T never turns 0 * (1/T) into NaN."""
+def exp2_scale(temperature):
+    """``log2(e) / T``, so that ``exp(z) = exp2((x - x_max) * scale)`` with ``z = (x - x_max) / T``
+    (one multiply per logit, and exp2 is the hardware's exponential). Greedy rows take T = 1
+    (their z is x - x_max, as in the reference). Clamped so that a denormal T never turns
+    ``0 * scale`` into NaN."""
     greedy = temperature == 0.0
     safe = tl.where(greedy, 1.0, temperature)
-    inv = tl.math.div_rn(tl.full([], 1.0, tl.float32) + tl.zeros_like(safe), safe)
-    return tl.where(greedy, 1.0, tl.minimum(inv, FLT_MAX))
+    inv = tl.math.div_rn(tl.full([], LOG2E, tl.float32) + tl.zeros_like(safe), safe)
+    return tl.minimum(inv, FLT_MAX)
 
 
 @triton.jit
-def processed_prob(x, x_max, x_thr, norm, inv_t):
-    """p(x) of a row described by (x_max, x_thr, norm) for sanitised float32 logits ``x``."""
+def processed_prob(x, x_max, x_thr, norm, scale):
+    """p(x) of a row described by (x_max, x_thr, norm) for sanitised float32 logits ``x``,
+    divided correctly rounded (acceptance tests compare it with ``u * q``)."""
     kept = (x > float("-inf")) & (x >= x_thr)
-    e = tl.exp((x - x_max) * inv_t)
+    e = tl.exp2((x - x_max) * scale)
     return tl.where(kept, tl.math.div_rn(tl.where(kept, e, 0.0), norm), 0.0)
 
 
@@ -87,7 +97,7 @@ def _key_value(key, KEY_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _pivot_pass(row_ptr, V, x_max, inv_t, floor_key, lo, hi,
+def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi,
                 KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """One pass over the row evaluating NUM_PIVOTS keys spread over ``(lo, hi]`` at once.
 
@@ -113,7 +123,7 @@ def _pivot_pass(row_ptr, V, x_max, inv_t, floor_key, lo, hi,
         bits = x.to(tl.int32, bitcast=True)
         key = tl.where(x == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)) >> KEY_SHIFT
         live = (x > float("-inf")) & (key >= floor_key)
-        e = tl.where(live, tl.exp((x - x_max) * inv_t), 0.0)
+        e = tl.where(live, tl.exp2((x - x_max) * scale), 0.0)
         ge = key[:, None] >= pivots32[None, :]
         above = ge & live[:, None]
         below = (~ge) & live[:, None]
@@ -125,7 +135,7 @@ def _pivot_pass(row_ptr, V, x_max, inv_t, floor_key, lo, hi,
 
 
 @triton.jit
-def _search(row_ptr, V, x_max, inv_t, lo, hi, lo_count, lo_mass, target, BY_MASS: tl.constexpr,
+def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, BY_MASS: tl.constexpr,
             KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """The largest key ``t`` whose kept set ``{key >= t}`` still has count (top-k) or mass
     (top-p) ``>= target``, searched in ``[lo, hi]`` (keys of the row; ``lo`` qualifies and
@@ -133,7 +143,7 @@ def _search(row_ptr, V, x_max, inv_t, lo, hi, lo_count, lo_mass, target, BY_MASS
     floor_key = lo.to(tl.int32)
     while lo < hi:
         pivots, count, mass, min_above, max_below = _pivot_pass(
-            row_ptr, V, x_max, inv_t, floor_key, lo, hi, KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+            row_ptr, V, x_max, scale, floor_key, lo, hi, KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
         if BY_MASS:
             ok = mass >= target
             exact = ok & (mass < 0.0)  # a mass target is never met exactly on purpose
@@ -156,61 +166,84 @@ def _search(row_ptr, V, x_max, inv_t, lo, hi, lo_count, lo_mass, target, BY_MASS
 # ----------------------------------------------------------------------------- row statistics
 
 @triton.jit
-def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
-                      temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, V,
-                      USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """Per-row statistics of the processed distribution; one program per row.
-
-    Bytes: reads V * elem_size once per row (online max, arg-max, sum-exp, finite count/min,
-    kept per lane of the [BLOCK] vector and reduced across lanes once after the loop),
-    plus V * elem_size per pivot pass for a row whose top-k or top-p is active
-    (~log_17(key span) passes each, <= 4 for bf16, <= 8 for fp32); rows with the filters off
-    (and greedy rows) do no pass beyond the first. Writes 16 B per row (3 float32 + 1 int32).
-    """
-    r = tl.program_id(0)
-    req = r // rows_per_req
-    row_ptr = logits_ptr + req.to(tl.int64) * stride_req + (r % rows_per_req).to(tl.int64) * stride_row
-    temperature = tl.load(temperature_ptr + req)
-    greedy = temperature == 0.0
-    inv_t = inverse_temperature(temperature)
-
-    # Streaming pass with per-lane accumulators: lane j of the [BLOCK] vectors sees offsets
-    # j, j + BLOCK, ... and keeps its own running max, online-softmax sum, earliest arg-max,
-    # finite min and count. The loop body is element-wise (no CTA-wide reduction, no barrier),
-    # so iterations are independent loads; the lanes are reduced once after the loop.
-    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    lane_sum = tl.zeros([BLOCK], tl.float32)
-    lane_arg = tl.full([BLOCK], 2147483647, tl.int32)
-    lane_min = tl.full([BLOCK], float("inf"), tl.float32)
-    lane_count = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = load_logits(row_ptr, offs, offs < V)
-        finite = x > float("-inf")
-        new_max = tl.maximum(lane_max, x)
-        # Offsets increase along a lane, so a strict > keeps the lane's earliest arg-max.
-        lane_arg = tl.where(x > lane_max, offs, lane_arg)
-        # Guarded for -inf: an unchanged max rescales by exactly 1 (also -inf == -inf).
-        rescale = tl.where(lane_max == new_max, 1.0, tl.exp((lane_max - new_max) * inv_t))
-        e = tl.where(finite, tl.exp((x - new_max) * inv_t), 0.0)
-        lane_sum = lane_sum * rescale + e
-        lane_max = new_max
-        lane_min = tl.minimum(lane_min, tl.where(finite, x, float("inf")))
-        lane_count += finite.to(tl.int32)
-
+def _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale):
+    """Merges per-lane (or per-chunk) statistics: the row max, ``sum(exp(z))`` relative to it,
+    the lowest arg-max id (2**31 - 1 without a finite logit), the finite min and count."""
     x_max = tl.max(lane_max, axis=0)
     # Lanes without a finite logit hold sum 0 at max -inf (skipped: -inf - -inf is NaN).
     lane_live = lane_max > float("-inf")
-    lane_scale = tl.exp(tl.where(lane_live, lane_max - x_max, 0.0) * inv_t)
+    lane_scale = tl.exp2(tl.where(lane_live, lane_max - x_max, 0.0) * scale)
     total = tl.sum(tl.where(lane_live, lane_sum * lane_scale, 0.0), axis=0)
-    # The lowest id among the lanes holding the row maximum (0 for a row with no finite logit).
     best = tl.min(tl.where(lane_live & (lane_max == x_max), lane_arg, 2147483647), axis=0)
-    best = tl.where(x_max > float("-inf"), best, 0)
-    x_min = tl.min(lane_min, axis=0)
-    num_finite = tl.sum(lane_count, axis=0)
+    return x_max, total, best, tl.min(lane_min, axis=0), tl.sum(lane_count, axis=0)
 
+
+@triton.jit
+def _stats_step(row_ptr, offs, end_v, scale, lane_max, lane_sum, lane_arg, lane_min, lane_count,
+                MASKED: tl.constexpr, TRACK_RANGE: tl.constexpr):
+    """One [LANES, R] tile of ``_stream_stats``."""
+    if MASKED:
+        x = load_logits(row_ptr, offs, offs < end_v)
+    else:
+        x = load_logits(row_ptr, offs, None)
+    tile_max = tl.max(x, axis=1)
+    tile_arg = tl.min(tl.where(x == tile_max[:, None], offs, 2147483647), axis=1)
+    new_max = tl.maximum(lane_max, tile_max)
+    # Offsets increase along a lane, so a strict > keeps the lane's earliest arg-max.
+    lane_arg = tl.where(tile_max > lane_max, tile_arg, lane_arg)
+    # Exponents are taken from a finite base (0 while the lane has seen no finite logit), so
+    # a -inf logit gives exactly 0 without a per-logit test. An unchanged max rescales by
+    # exactly 1; a lane leaving -inf rescales its sum 0 by 0.
+    base = tl.where(new_max > float("-inf"), new_max, 0.0)
+    rescale = tl.where(lane_max == new_max, 1.0, tl.exp2((lane_max - base) * scale))
+    lane_sum = lane_sum * rescale + tl.sum(tl.exp2((x - base[:, None]) * scale), axis=1)
+    if TRACK_RANGE:
+        finite = x > float("-inf")
+        lane_min = tl.minimum(lane_min, tl.min(tl.where(finite, x, float("inf")), axis=1))
+        lane_count += tl.sum(finite.to(tl.int32), axis=1)
+    return new_max, lane_sum, lane_arg, lane_min, lane_count
+
+
+@triton.jit
+def _stream_stats(row_ptr, start_v, end_v, scale, TRACK_RANGE: tl.constexpr,
+                  BLOCK: tl.constexpr, R: tl.constexpr):
+    """One streaming pass over tokens [start_v, end_v) of a row, in [BLOCK // R, R] tiles.
+
+    Lane l of the tile keeps its own running max, online-softmax sum, earliest arg-max and
+    (TRACK_RANGE, for the filters' search) finite min and count over its R logits per
+    iteration: one rescaling exp per R logits instead of one per logit, and an element-wise
+    loop body (no CTA-wide reduction, no barrier). The lanes are merged once at the end.
+    Full tiles load without a mask (so R logits are one vector load); only the last, partial
+    tile is masked.
+    """
+    LANES: tl.constexpr = BLOCK // R
+    lane_max = tl.full([LANES], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([LANES], tl.float32)
+    lane_arg = tl.full([LANES], 2147483647, tl.int32)
+    lane_min = tl.full([LANES], float("inf"), tl.float32)
+    lane_count = tl.zeros([LANES], tl.int32)
+    tile = tl.arange(0, LANES)[:, None] * R + tl.arange(0, R)[None, :]
+    full_end = start_v + (end_v - start_v) // BLOCK * BLOCK
+    for start in range(start_v, full_end, BLOCK):
+        lane_max, lane_sum, lane_arg, lane_min, lane_count = _stats_step(
+            row_ptr, start + tile, end_v, scale, lane_max, lane_sum, lane_arg, lane_min,
+            lane_count, False, TRACK_RANGE)
+    if full_end < end_v:
+        lane_max, lane_sum, lane_arg, lane_min, lane_count = _stats_step(
+            row_ptr, full_end + tile, end_v, scale, lane_max, lane_sum, lane_arg, lane_min,
+            lane_count, True, TRACK_RANGE)
+    return _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale)
+
+
+@triton.jit
+def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
+                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
+                USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
+                BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """Applies top-k then top-p to a row's merged statistics (pivot passes over the row for
+    the requests that use them) and stores ``(x_max, x_thr, norm)`` and the arg-max."""
     has_finite = x_max > float("-inf")
+    best = tl.where(has_finite, best, 0)  # a row with no finite logit: id 0, never emitted
     # The kept set is {key >= lo}; lo starts at the smallest finite key (everything kept).
     lo = _sort_key(tl.where(has_finite, x_min, 0.0), KEY_SHIFT).to(tl.int64)
     lo_mass = total
@@ -220,7 +253,7 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         top_k = tl.load(top_k_ptr + req)
         if (~greedy) & (top_k > 0) & (top_k < V) & (num_finite > top_k):
             hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
-            lo, lo_count, lo_mass = _search(row_ptr, V, x_max, inv_t, lo, hi, lo_count, lo_mass,
+            lo, lo_count, lo_mass = _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass,
                                             top_k.to(tl.float32), False,
                                             KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
             filtered = tl.full([], 1, tl.int1)
@@ -228,7 +261,7 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         top_p = tl.load(top_p_ptr + req)
         if (~greedy) & (top_p < 1.0) & has_finite:
             hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
-            lo, lo_count, lo_mass = _search(row_ptr, V, x_max, inv_t, lo, hi, lo_count, lo_mass,
+            lo, lo_count, lo_mass = _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass,
                                             top_p * lo_mass, True,
                                             KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
             filtered = tl.full([], 1, tl.int1)
@@ -239,14 +272,81 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
     tl.store(argmax_ptr + r, best)
 
 
-# ----------------------------------------------------------------------------- the race
+@triton.jit
+def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
+                      temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
+                      part_f_ptr, part_i_ptr, V, chunk_size,
+                      USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
+                      NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
+                      BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """Per-row statistics of the processed distribution; grid (rows, NUM_CHUNKS), program
+    (r, c) streams tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of row r.
+
+    NUM_CHUNKS == 1: the program finishes its row (top-k/top-p and the stores). Otherwise it
+    writes its chunk's partial statistics and ``_row_stats_finish_kernel`` merges them: a
+    row split over programs keeps every SM busy when B * (K + 1) rows are fewer than SMs.
+
+    Bytes: reads V * elem_size once per row; writes 16 B per row (3 float32 + 1 int32), or
+    20 B of partials per program; plus V * elem_size per pivot pass for a row whose top-k or
+    top-p is active (~log_17(key span) passes each, <= 4 for bf16, <= 8 for fp32); rows with
+    the filters off (and greedy rows) do no pass beyond the first.
+    """
+    r = tl.program_id(0)
+    chunk = tl.program_id(1)
+    req = r // rows_per_req
+    row_ptr = logits_ptr + req.to(tl.int64) * stride_req + (r % rows_per_req).to(tl.int64) * stride_row
+    temperature = tl.load(temperature_ptr + req)
+    greedy = temperature == 0.0
+    scale = exp2_scale(temperature)
+    start_v = chunk * chunk_size
+    end_v = tl.minimum(start_v + chunk_size, V)
+    x_max, total, best, x_min, num_finite = _stream_stats(
+        row_ptr, start_v, end_v, scale, USE_TOP_K or USE_TOP_P, BLOCK, R)
+    if NUM_CHUNKS == 1:
+        _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
+                    top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
+                    USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+    else:
+        part = r * NUM_CHUNKS + chunk
+        tl.store(part_f_ptr + part * 3 + 0, x_max)
+        tl.store(part_f_ptr + part * 3 + 1, total)
+        tl.store(part_f_ptr + part * 3 + 2, x_min)
+        tl.store(part_i_ptr + part * 2 + 0, best)
+        tl.store(part_i_ptr + part * 2 + 1, num_finite)
+
 
 @triton.jit
-def _better(score, index, best_score, best_index):
-    """Max score, lowest index among ties (scores are never NaN)."""
-    take = (score > best_score) | ((score == best_score) & (index < best_index))
-    return tl.where(take, score, best_score), tl.where(take, index, best_index)
+def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
+                             temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
+                             part_f_ptr, part_i_ptr, V,
+                             USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
+                             KEY_SHIFT: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                             CHUNKS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
+                             NUM_PIVOTS: tl.constexpr):
+    """Merges the NUM_CHUNKS partial statistics of one row (grid rows), then finishes it as
+    ``_row_stats_kernel`` does. Bytes: reads 20 B per chunk (plus the pivot passes of rows
+    whose filters are active), writes 16 B."""
+    r = tl.program_id(0)
+    req = r // rows_per_req
+    row_ptr = logits_ptr + req.to(tl.int64) * stride_req + (r % rows_per_req).to(tl.int64) * stride_row
+    temperature = tl.load(temperature_ptr + req)
+    greedy = temperature == 0.0
+    scale = exp2_scale(temperature)
+    chunks = tl.arange(0, CHUNKS_P2)
+    valid = chunks < NUM_CHUNKS
+    part = r * NUM_CHUNKS + chunks
+    x_max, total, best, x_min, num_finite = _combine_stats(
+        tl.load(part_f_ptr + part * 3 + 0, mask=valid, other=float("-inf")),
+        tl.load(part_f_ptr + part * 3 + 1, mask=valid, other=0.0),
+        tl.load(part_i_ptr + part * 2 + 0, mask=valid, other=2147483647),
+        tl.load(part_f_ptr + part * 3 + 2, mask=valid, other=float("inf")),
+        tl.load(part_i_ptr + part * 2 + 1, mask=valid, other=0), scale)
+    _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
+                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
+                USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
 
+
+# ----------------------------------------------------------------------------- the race
 
 @triton.jit
 def _block_best(score, offs):
@@ -255,54 +355,110 @@ def _block_best(score, offs):
 
 
 @triton.jit
-def _race_chunk(row_ptr, q_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
+def _tile_best(score, offs):
+    """``_block_best`` of a 2-D tile."""
+    top = tl.max(tl.max(score, axis=1), axis=0)
+    return top, tl.min(tl.min(tl.where(score == top, offs, 2147483647), axis=1), axis=0)
+
+
+@triton.jit
+def quad_offsets(start, QUADS: tl.constexpr):
+    """Token ids ``start + [0, 4*QUADS)`` as a ``[QUADS, 4]`` tile, the shape of
+    ``trng.token_noise`` (``start`` a multiple of 4): one Philox per row of the tile."""
+    return start + tl.arange(0, QUADS)[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
+def _race_prob(x, x_base, x_thr, inv_norm, scale):
+    """p(x) for the race: ``processed_prob`` with ``* (1 / norm)`` for the division (within an
+    ulp of it; the race only ranks scores). ``x_base`` is x_max, or 0 for a row with no
+    finite logit, so -inf logits give exactly 0 without a test."""
+    return tl.where(x >= x_thr, tl.exp2((x - x_base) * scale), 0.0) * inv_norm
+
+
+@triton.jit
+def _race_step(row_ptr, q_ptr, offs, end_v, noise, x_base, x_thr, inv_norm, scale,
+               q_base, q_thr, q_inv_norm, draft_token,
+               lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan,
+               MASKED: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+    """One [QUADS, 4] tile of ``_race_chunk``. Scores divide with the fast ``/`` (within 2 ulp):
+    a winner can change only between scores that close, which the tests bound."""
+    if MASKED:
+        mask = offs < end_v
+        x = load_logits(row_ptr, offs, mask)
+    else:
+        mask = None
+        x = load_logits(row_ptr, offs, None)
+    p = _race_prob(x, x_base, x_thr, inv_norm, scale)
+    score = tl.where(p > 0, p / noise, -1.0)
+    take = score > lane_p
+    lane_p = tl.where(take, score, lane_p)
+    lane_idx_p = tl.where(take, offs, lane_idx_p)
+    if RESIDUAL:
+        if Q_MODE == 1:
+            q = tl.where(offs == draft_token, 1.0, 0.0)
+        elif Q_MODE == 2:
+            if MASKED:
+                q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                q = tl.load(q_ptr + offs).to(tl.float32)
+        else:
+            q = _race_prob(load_logits(q_ptr, offs, mask), q_base, q_thr, q_inv_norm, scale)
+        diff = p - q
+        lane_nan = tl.maximum(lane_nan, (diff != diff).to(tl.int32))
+        residual = tl.where(diff > 0, diff, 0.0)
+        lane_mass = tl.maximum(lane_mass, (residual > 0).to(tl.int32))
+        score_r = tl.where(residual > 0, residual / noise, -1.0)
+        take_r = score_r > lane_r
+        lane_r = tl.where(take_r, score_r, lane_r)
+        lane_idx_r = tl.where(take_r, offs, lane_idx_r)
+    return lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan
+
+
+@triton.jit
+def _race_chunk(row_ptr, q_ptr, start_v, end_v, x_max, x_thr, norm, scale,
                 q_max, q_thr, q_norm, draft_token,
                 seed, offset, position, PURPOSE: tl.constexpr,
                 Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """Exponential race over tokens [start_v, end_v) of one row: the best ``p_i / E_i`` and,
-    when RESIDUAL, the best ``max(p_i - q_i, 0) / E_i`` with whether that residual has mass
-    or a NaN. ``E_i`` is the Philox Exp(1) noise of token i."""
+    """Exponential race over tokens [start_v, end_v) of one row (``start_v`` a multiple of 4):
+    the best ``p_i / E_i`` and, when RESIDUAL, the best ``max(p_i - q_i, 0) / E_i`` with
+    whether that residual has mass or a NaN. ``E_i`` is the Philox Exp(1) noise of token i,
+    four tokens per Philox: the loop works on ``[BLOCK // 4, 4]`` tiles, each thread owning
+    whole rows of four. Full tiles load without a mask (vector loads); only the last is masked.
+    """
+    QUADS: tl.constexpr = BLOCK // 4
+    x_base = tl.where(x_max > float("-inf"), x_max, 0.0)
+    inv_norm = tl.where(norm > 0.0, 1.0 / norm, 0.0)
+    q_base = tl.where(q_max > float("-inf"), q_max, 0.0)
+    q_inv_norm = tl.where(q_norm > 0.0, 1.0 / q_norm, 0.0)
     # Per-lane winners across iterations (strict >: a lane's earliest offset among equal
     # scores), reduced once after the loop (max score, lowest id among the lanes holding it):
     # the same selection as a per-block reduction, with no CTA-wide reduction in the loop.
-    lane_p = tl.full([BLOCK], -1.0, tl.float32)
-    lane_idx_p = tl.full([BLOCK], 2147483647, tl.int32)
-    lane_r = tl.full([BLOCK], -1.0, tl.float32)
-    lane_idx_r = tl.full([BLOCK], 2147483647, tl.int32)
-    lane_mass = tl.zeros([BLOCK], tl.int32)
-    lane_nan = tl.zeros([BLOCK], tl.int32)
-    for start in range(start_v, end_v, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < end_v
-        x = load_logits(row_ptr, offs, mask)
-        p = processed_prob(x, x_max, x_thr, norm, inv_t)
-        noise = trng.exponential(seed, offset, position, PURPOSE, offs)
-        score = tl.where(p > 0, tl.math.div_rn(p, noise), -1.0)
-        take = score > lane_p
-        lane_p = tl.where(take, score, lane_p)
-        lane_idx_p = tl.where(take, offs, lane_idx_p)
-        if RESIDUAL:
-            if Q_MODE == 1:
-                q = tl.where(offs == draft_token, 1.0, 0.0)
-            elif Q_MODE == 2:
-                q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            else:
-                xq = load_logits(q_ptr, offs, mask)
-                q = processed_prob(xq, q_max, q_thr, q_norm, inv_t)
-            diff = p - q
-            lane_nan = tl.maximum(lane_nan, (diff != diff).to(tl.int32))
-            residual = tl.where(diff > 0, diff, 0.0)
-            lane_mass = tl.maximum(lane_mass, (residual > 0).to(tl.int32))
-            score_r = tl.where(residual > 0, tl.math.div_rn(residual, noise), -1.0)
-            take_r = score_r > lane_r
-            lane_r = tl.where(take_r, score_r, lane_r)
-            lane_idx_r = tl.where(take_r, offs, lane_idx_r)
+    lane_p = tl.full([QUADS, 4], -1.0, tl.float32)
+    lane_idx_p = tl.full([QUADS, 4], 2147483647, tl.int32)
+    lane_r = tl.full([QUADS, 4], -1.0, tl.float32)
+    lane_idx_r = tl.full([QUADS, 4], 2147483647, tl.int32)
+    lane_mass = tl.zeros([QUADS, 4], tl.int32)
+    lane_nan = tl.zeros([QUADS, 4], tl.int32)
+    full_end = start_v + (end_v - start_v) // BLOCK * BLOCK
+    for start in range(start_v, full_end, BLOCK):
+        noise = trng.token_noise(seed, offset, position, PURPOSE, start // 4, QUADS)
+        lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan = _race_step(
+            row_ptr, q_ptr, quad_offsets(start, QUADS), end_v, noise, x_base, x_thr, inv_norm,
+            scale, q_base, q_thr, q_inv_norm, draft_token,
+            lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan, False, Q_MODE, RESIDUAL)
+    if full_end < end_v:
+        noise = trng.token_noise(seed, offset, position, PURPOSE, full_end // 4, QUADS)
+        lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan = _race_step(
+            row_ptr, q_ptr, quad_offsets(full_end, QUADS), end_v, noise, x_base, x_thr,
+            inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token,
+            lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan, True, Q_MODE, RESIDUAL)
     # A race without a positive score returns -1 with index 2**31 - 1 (never used:
     # _final_token and _race_reduce_kernel look at the index only when the score is >= 0).
-    best_p, idx_p = _block_best(lane_p, lane_idx_p)
-    best_r, idx_r = _block_best(lane_r, lane_idx_r)
-    has_mass = tl.max(lane_mass, axis=0)
-    has_nan = tl.max(lane_nan, axis=0)
+    best_p, idx_p = _tile_best(lane_p, lane_idx_p)
+    best_r, idx_r = _tile_best(lane_r, lane_idx_r)
+    has_mass = tl.max(tl.max(lane_mass, axis=1), axis=0)
+    has_nan = tl.max(tl.max(lane_nan, axis=1), axis=0)
     return best_p, idx_p, best_r, idx_r, has_mass, has_nan
 
 
@@ -359,7 +515,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + req)
     greedy = temperature == 0.0
-    inv_t = inverse_temperature(temperature)
+    scale = exp2_scale(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
     num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_ptr, draft_ids_ptr,
@@ -403,17 +559,17 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
         if Q_MODE != 0:
             if use_residual:
                 best_p, idx_p, best_r, idx_r, has_mass, has_nan = _race_chunk(
-                    row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
+                    row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, scale,
                     q_max, q_thr, q_norm, draft_token, seed, offset, num_accepted, PURPOSE,
                     Q_MODE, True, BLOCK)
             else:
                 best_p, idx_p, best_r, idx_r, has_mass, has_nan = _race_chunk(
-                    row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
+                    row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, scale,
                     q_max, q_thr, q_norm, draft_token, seed, offset, num_accepted, PURPOSE,
                     Q_MODE, False, BLOCK)
         else:
             best_p, idx_p, best_r, idx_r, has_mass, has_nan = _race_chunk(
-                row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, inv_t,
+                row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, scale,
                 q_max, q_thr, q_norm, draft_token, seed, offset, num_accepted, PURPOSE,
                 Q_MODE, False, BLOCK)
 
@@ -467,53 +623,75 @@ def _race_reduce_kernel(stats_ptr, argmax_ptr, rows_per_req, draft_ids_ptr, stri
 
 # ----------------------------------------------------------------------------- launchers
 
-def _interpreted(device: torch.device) -> bool:
-    return device.type != "cuda"
-
-
 def block_size(vocab: int, device: torch.device, cap_gpu: int = 2048, cap_cpu: int = 8192) -> int:
     """A power of two covering V up to a cap: no huge padded blocks for small V."""
-    cap = cap_cpu if _interpreted(device) else cap_gpu
-    return max(16, min(triton.next_power_of_2(vocab), cap))
+    cap = cap_cpu if interpreted(device) else cap_gpu
+    return max(16, min(next_pow2(vocab), cap))
 
 
 def _search_config(vocab: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_S, NUM_PIVOTS) of the pivot passes. The GPU keeps [BLOCK_S, NUM_PIVOTS] in
     registers; the interpreter pays per pass, not per element, so it takes more pivots."""
-    if _interpreted(device):
-        return max(16, min(triton.next_power_of_2(vocab), 2048)), 256
-    return max(16, min(triton.next_power_of_2(vocab), 128)), NUM_PIVOTS
+    if interpreted(device):
+        return max(16, min(next_pow2(vocab), 2048)), 256
+    return max(16, min(next_pow2(vocab), 128)), NUM_PIVOTS
 
 
-# Vocabulary block of the statistics' streaming pass on a GPU (8 warps: 16 logits per thread).
-# With per-lane accumulators a larger block only adds registers (no reduction per block), and
-# it doubles the bytes each program has in flight per iteration; 4096 compiles without spills
-# on sm_80/sm_90 (python_tests/test_triton_compile.py), where 2048 spills with the filters on
-# sm_80. Not yet measured against 2048 on a GPU.
+# Vocabulary block of the statistics' streaming pass on a GPU (8 warps: 16 logits per thread
+# per iteration), as tiles of STATS_R logits per lane: one rescaling exp per STATS_R logits, and
+# STATS_R = 8 bf16 logits are one 16-byte load. The tile's accumulators are BLOCK / STATS_R per
+# program, so the block costs few registers (python_tests/test_triton_compile.py: no spills).
 STATS_BLOCK = 4096
+STATS_R = 8
+
+# Tests set this to force the split-row path of the statistics on small vocabularies.
+STATS_CHUNK_OVERRIDE: int | None = None
+
+
+def stats_chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
+    """(chunk_size, num_chunks, BLOCK) of the statistics pass: rows split over programs until
+    there are about 8 programs per SM (a shape-only choice, so no synchronisation)."""
+    block = block_size(vocab, device, cap_gpu=STATS_BLOCK)
+    if STATS_CHUNK_OVERRIDE is not None:
+        block = min(block, max(16, next_pow2(STATS_CHUNK_OVERRIDE)))
+        chunk = STATS_CHUNK_OVERRIDE
+    elif interpreted(device):
+        chunk = vocab
+    else:
+        chunk = cdiv(vocab, cdiv(8 * num_sms(device), rows))
+    chunk = cdiv(max(chunk, block), block) * block
+    return chunk, cdiv(vocab, chunk), block
 
 
 def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
               stride_row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch ``_row_stats_kernel`` over ``rows`` = numel / V rows of ``logits`` (``[..., V]``,
-    last dim contiguous), request ``row // rows_per_req``. Returns (stats float32 [rows, 3],
-    argmax int32 [rows])."""
+    """Launch ``_row_stats_kernel`` (and ``_row_stats_finish_kernel`` when rows are split)
+    over ``rows`` = numel / V rows of ``logits`` (``[..., V]``, last dim contiguous), request
+    ``row // rows_per_req``. Returns (stats float32 [rows, 3], argmax int32 [rows])."""
     vocab = logits.shape[-1]
     rows = logits.numel() // vocab
-    stats = torch.empty((rows, 3), dtype=torch.float32, device=logits.device)
-    argmax = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    device = logits.device
+    stats = torch.empty((rows, 3), dtype=torch.float32, device=device)
+    argmax = torch.empty(rows, dtype=torch.int32, device=device)
     if rows == 0:
         return stats, argmax
-    interp = _interpreted(logits.device)
-    block_s, num_pivots = _search_config(vocab, logits.device)
-    _row_stats_kernel[(rows,)](
-        logits, stride_req, stride_row, rows_per_req,
-        params.temperature, params.top_k, params.top_p, stats, argmax, vocab,
-        USE_TOP_K=bool(params.uses_top_k) and not params.all_greedy,
-        USE_TOP_P=bool(params.uses_top_p) and not params.all_greedy,
-        KEY_SHIFT=_KEY_SHIFT[logits.dtype],
-        BLOCK=block_size(vocab, logits.device, cap_gpu=STATS_BLOCK), BLOCK_S=block_s,
-        NUM_PIVOTS=num_pivots, num_warps=1 if interp else 8)
+    interp = interpreted(device)
+    block_s, num_pivots = _search_config(vocab, device)
+    chunk, num_chunks, block = stats_chunks(rows, vocab, device)
+    if num_chunks > 1:
+        part_f = torch.empty((rows, num_chunks, 3), dtype=torch.float32, device=device)
+        part_i = torch.empty((rows, num_chunks, 2), dtype=torch.int32, device=device)
+    else:
+        part_f, part_i = scratch(device, torch.float32), scratch(device, torch.int32)
+    filters = dict(USE_TOP_K=bool(params.uses_top_k) and not params.all_greedy,
+                   USE_TOP_P=bool(params.uses_top_p) and not params.all_greedy,
+                   KEY_SHIFT=_KEY_SHIFT[logits.dtype], NUM_CHUNKS=num_chunks,
+                   BLOCK_S=block_s, NUM_PIVOTS=num_pivots, num_warps=1 if interp else 8)
+    args = (logits, stride_req, stride_row, rows_per_req, params.temperature, params.top_k,
+            params.top_p, stats, argmax, part_f, part_i, vocab)
+    _row_stats_kernel[(rows, num_chunks)](*args, chunk, BLOCK=block, R=STATS_R, **filters)
+    if num_chunks > 1:
+        _row_stats_finish_kernel[(rows,)](*args, CHUNKS_P2=next_pow2(num_chunks), **filters)
     return stats, argmax
 
 
@@ -526,20 +704,16 @@ def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int,
     small (a shape-only choice, so no synchronisation)."""
     block = block_size(vocab, device, cap_gpu=512)
     if RACE_CHUNK_OVERRIDE is not None:
-        block = min(block, max(16, triton.next_power_of_2(RACE_CHUNK_OVERRIDE)))
+        block = min(block, max(16, next_pow2(RACE_CHUNK_OVERRIDE)))
         chunk = RACE_CHUNK_OVERRIDE
-    elif _interpreted(device):
+    elif interpreted(device):
         chunk = vocab
     else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = num_sms(device)
         want = max(1, (4 * sms + batch - 1) // batch)
-        chunk = max(4 * block, triton.cdiv(vocab, want))
-    chunk = triton.cdiv(max(chunk, 1), block) * block
-    return chunk, triton.cdiv(vocab, chunk), block
-
-
-def _dummy(device: torch.device, dtype=torch.float32) -> torch.Tensor:
-    return torch.zeros(1, dtype=dtype, device=device)
+        chunk = max(4 * block, cdiv(vocab, want))
+    chunk = cdiv(max(chunk, 1), block) * block
+    return chunk, cdiv(vocab, chunk), block
 
 
 def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: int,
@@ -558,12 +732,12 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
         return
     chunk, num_chunks, block = race_chunks(batch, vocab, device)
     is_chain = num_accepted is not None
-    dummy_f, dummy_i = _dummy(device), _dummy(device, torch.int32)
+    dummy_f, dummy_i = scratch(device, torch.float32), scratch(device, torch.int32)
     part_score = torch.empty((batch, num_chunks, 2), dtype=torch.float32, device=device) \
         if num_chunks > 1 else dummy_f
     part_index = torch.empty((batch, num_chunks, 4), dtype=torch.int32, device=device) \
         if num_chunks > 1 else dummy_i
-    interp = _interpreted(device)
+    interp = interpreted(device)
     _race_kernel[(batch, num_chunks)](
         logits, stride_req, stride_row, rows_per_req, stats, argmax,
         q if q is not None else dummy_f, q_strides[0], q_strides[1],
@@ -585,7 +759,7 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
             num_accepted if num_accepted is not None else dummy_i,
             params.temperature, out, stride_out, part_score, part_index, vocab, num_drafts,
             IS_CHAIN=is_chain, NUM_CHUNKS=num_chunks,
-            CHUNKS_P2=triton.next_power_of_2(num_chunks), num_warps=1)
+            CHUNKS_P2=next_pow2(num_chunks), num_warps=1)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -609,14 +783,32 @@ def sample(logits: torch.Tensor, params, seeds: torch.Tensor, offsets: torch.Ten
 
 # ----------------------------------------------------------------------------- compile registry
 
-def _stats_spec(dtype: str, key_shift: int, filters: bool) -> dict:
+_STATS_SIGNATURE = dict(
+    stride_req="i32", stride_row="i32", rows_per_req="i32", temperature_ptr="*fp32",
+    top_k_ptr="*i32", top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32",
+    part_f_ptr="*fp32", part_i_ptr="*i32", V="i32")
+
+
+def _stats_spec(dtype: str, key_shift: int, filters: bool, chunks: int = 1) -> dict:
     return dict(
-        name=f"row_stats[{dtype}{',top_k+top_p' if filters else ''}]", kernel=_row_stats_kernel,
-        signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
-                       rows_per_req="i32", temperature_ptr="*fp32", top_k_ptr="*i32",
-                       top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32", V="i32"),
+        name=f"row_stats[{dtype}{',top_k+top_p' if filters else ''}"
+             f"{',chunks=%d' % chunks if chunks > 1 else ''}]",
+        kernel=_row_stats_kernel,
+        signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE, chunk_size="i32"),
         constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift,
-                        BLOCK=STATS_BLOCK, BLOCK_S=128, NUM_PIVOTS=NUM_PIVOTS),
+                        NUM_CHUNKS=chunks, BLOCK=STATS_BLOCK, R=STATS_R, BLOCK_S=128,
+                        NUM_PIVOTS=NUM_PIVOTS),
+        num_warps=8)
+
+
+def _stats_finish_spec(dtype: str, key_shift: int, filters: bool, chunks: int) -> dict:
+    return dict(
+        name=f"row_stats_finish[{dtype}{',top_k+top_p' if filters else ''},chunks={chunks}]",
+        kernel=_row_stats_finish_kernel,
+        signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE),
+        constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift,
+                        NUM_CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks), BLOCK_S=128,
+                        NUM_PIVOTS=NUM_PIVOTS),
         num_warps=8)
 
 
@@ -642,6 +834,8 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
 COMPILE_SPECS = [
     _stats_spec("bf16", 16, False), _stats_spec("bf16", 16, True),
     _stats_spec("fp16", 13, True), _stats_spec("fp32", 0, False), _stats_spec("fp32", 0, True),
+    _stats_spec("bf16", 16, False, chunks=4), _stats_spec("bf16", 16, True, chunks=4),
+    _stats_finish_spec("bf16", 16, False, 4), _stats_finish_spec("bf16", 16, True, 32),
     _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False),
     _race_spec("bf16", "fp32", Q_ONE_HOT, 8), _race_spec("bf16", "fp32", Q_PROBS, 1),
     _race_spec("bf16", "bf16", Q_LOGITS, 8), _race_spec("fp32", "fp32", Q_LOGITS, 1),

@@ -32,9 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .._params import scratch
 from . import _rng as trng
-from .sampling import (_block_best, _last_dim_contiguous, block_size,
-                       inverse_temperature, load_logits, processed_prob, row_stats)
+from ._launch import interpreted, next_pow2
+from .sampling import (_last_dim_contiguous, _tile_best, block_size,
+                       exp2_scale, load_logits, processed_prob, quad_offsets,
+                       row_stats)
 
 MODE_DETERMINISTIC, MODE_IID, MODE_WITHOUT_REPLACEMENT = 0, 1, 2
 _MODES = {"iid": MODE_IID, "without_replacement": MODE_WITHOUT_REPLACEMENT}
@@ -94,7 +97,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     req64 = req.to(tl.int64)
     temperature = tl.load(temperature_ptr + req)
     greedy = temperature == 0.0
-    inv_t = inverse_temperature(temperature)
+    scale = exp2_scale(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
     num_nodes = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + req), 1), N)
@@ -132,7 +135,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
         argmax = tl.load(argmax_ptr + row, mask=tested, other=-1)
         row_ptr = logits_req + current.to(tl.int64) * stride_ln
         q_row_ptr = q_req + current.to(tl.int64) * stride_qn
-        p_x = processed_prob(load_logits(row_ptr, token, tested), x_max, x_thr, norm, inv_t)
+        p_x = processed_prob(load_logits(row_ptr, token, tested), x_max, x_thr, norm, scale)
         if MODE == 0:
             gone = tl.max(((tokens == token) & (idx < steps)).to(tl.int32), axis=0) != 0
             p_token = tl.where(gone, 0.0, p_x)
@@ -165,7 +168,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                     offs = start + tl.arange(0, BLOCK)
                     mask = offs < V
                     pv = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm,
-                                        inv_t)
+                                        scale)
                     qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                     rv, gone_v = _residual(pv, qv, offs, steps, masses, q_masses, tokens,
                                            applied, idx, MODE == 2)
@@ -203,13 +206,14 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     q_row_ptr = q_req + current.to(tl.int64) * stride_qn
     # Per-lane winners (strict >: a lane's earliest offset), reduced once after the loop:
     # max score, lowest id among equal scores, with no CTA-wide reduction per block.
-    lane_best = tl.full([BLOCK], -1.0, tl.float32)
-    lane_idx = tl.full([BLOCK], 2147483647, tl.int32)
+    # Tiles of [BLOCK // 4, 4] tokens: one Philox per four tokens (trng.token_noise).
+    lane_best = tl.full([BLOCK // 4, 4], -1.0, tl.float32)
+    lane_idx = tl.full([BLOCK // 4, 4], 2147483647, tl.int32)
     if temperature != 0.0:  # greedy: the arg-max from the stats, no pass
         for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+            offs = quad_offsets(start, BLOCK // 4)
             mask = offs < V
-            weight = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm, inv_t)
+            weight = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm, scale)
             if MODE == 0:
                 # O(steps) per element; a [BLOCK, N_P2] comparison would spill for large N.
                 for j in range(0, steps):
@@ -219,12 +223,13 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                     qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                     weight, _ = _residual(weight, qv, offs, steps, masses, q_masses, tokens,
                                           applied, idx, MODE == 2)
-            noise = trng.exponential(seed, offset, current, trng.PURPOSE_RESAMPLE, offs)
+            noise = trng.token_noise(seed, offset, current, trng.PURPOSE_RESAMPLE, start // 4,
+                                     BLOCK // 4)
             score = tl.where(mask & (weight > 0.0), tl.math.div_rn(weight, noise), -1.0)
             take = score > lane_best
             lane_best = tl.where(take, score, lane_best)
             lane_idx = tl.where(take, offs, lane_idx)
-    best, best_idx = _block_best(lane_best, lane_idx)
+    best, best_idx = _tile_best(lane_best, lane_idx)
     sampled = tl.where(best >= 0.0, best_idx, -1)
     if MODE == 0:
         # Removals left no mass (rounding only): the last removed token was all that remained.
@@ -258,18 +263,18 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
     stats, argmax = row_stats(target_logits, params, nodes, target_logits.stride(0),
                               target_logits.stride(1))
     if draft_probs is None:
-        mode, q, q_strides = MODE_DETERMINISTIC, torch.zeros(1, device=device), (0, 0)
+        mode, q, q_strides = MODE_DETERMINISTIC, scratch(device, torch.float32), (0, 0)
     else:
         mode = _MODES[draft_sampling]
         q = _last_dim_contiguous(draft_probs)
         q_strides = (q.stride(0), q.stride(1))
-    interp = device.type != "cuda"
+    interp = interpreted(device)
     _tree_walk_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), stats, argmax,
         q, q_strides[0], q_strides[1], ids, ids.stride(0), par, par.stride(0),
         num_nodes.to(torch.int32).contiguous(), params.temperature, seeds, offsets,
         out, path, num_accepted, vocab, nodes,
-        MODE=mode, N_P2=triton.next_power_of_2(nodes),
+        MODE=mode, N_P2=next_pow2(nodes),
         BLOCK=block_size(vocab, device, cap_gpu=WALK_BLOCK), num_warps=1 if interp else WALK_WARPS)
     return out, path, num_accepted
 
