@@ -418,7 +418,7 @@ def write_results(rows: list[dict], out_dir: Path, stem: str = "results") -> tup
 @dataclass
 class RunConfig:
     quick: bool = False
-    graph_max_batch: int = 8          # CUDA-graph variant for batches up to this
+    graph_max_batch: int = 64         # CUDA-graph variant for batches up to this
     cpu_budget_s: float = 1.0         # per measurement on CPU
     gpu_rep_ms: float = 100.0         # per measurement on GPU
     backends: Optional[set] = None    # only these backends (None: all)

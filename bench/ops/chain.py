@@ -2,7 +2,9 @@
 
 Modes: ``onehot`` (no draft distribution: an n-gram or greedy drafter), ``draft_probs``
 (fp32 ``[B, K, V]`` draft probabilities), ``draft_logits`` (draft logits in the target dtype)
-and ``greedy`` (temperature 0, one-hot drafts). Sampled modes use temperature 1.
+``greedy`` (temperature 0, one-hot drafts) and ``top_k_top_p`` (draft probs with top-k 50 and
+top-p 0.9 on every request: the filters' threshold search; ours and the reference only, the
+baselines have no filters). Sampled modes use temperature 1.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def min_bytes(case: Case) -> int:
     b, k, v = case.params["B"], case.params["K"], case.params["V"]
     s = torch.empty((), dtype=torch_dtype(case.dtype)).element_size()
     total = b * (k + 1) * v * s + b * k * 4 + b * (k + 1) * 4 + b * 4 + b * 20
-    if case.mode == "draft_probs":
+    if case.mode in ("draft_probs", "top_k_top_p"):
         total += b * k * 4 + b * v * 4
     elif case.mode == "draft_logits":
         total += b * k * v * s
@@ -45,7 +47,7 @@ def _case(b, k, v, dtype, mode, skip=()):
 def cases(device: torch.device, preset: str) -> list[Case]:
     if preset == "quick":
         return [_case(b, 2, 1000, "fp32", m) for b in (1, 4) for m in ("onehot", "draft_probs")] + \
-               [_case(4, 2, 1000, "bf16", "greedy")]
+               [_case(4, 2, 1000, "bf16", "greedy"), _case(4, 2, 1000, "bf16", "top_k_top_p")]
     if preset == "cpu":
         # A subset of the issue-2 sweep that the reference path gets through in a few minutes.
         out = [_case(b, 4, 32000, "bf16", m) for b in (1, 8, 64) for m in ("onehot", "draft_probs")]
@@ -63,6 +65,7 @@ def cases(device: torch.device, preset: str) -> list[Case]:
         out += [_case(64, 4, v, "fp32", "draft_probs", slow) for v in (32000, 128256, 151936)]
         out += [_case(64, k, 128256, "bf16", "draft_probs", slow) for k in (1, 8)]
         out += [_case(64, 4, 128256, "bf16", m, slow) for m in ("greedy", "draft_logits")]
+        out += [_case(b, 4, 128256, "bf16", "top_k_top_p", slow) for b in (1, 64)]
         return out
     # "gpu": the full issue-2 sweep.
     return [_case(b, k, v, dt, m, () if b <= 64 else ("reference",))
@@ -80,7 +83,7 @@ def make_inputs(case: Case, device: torch.device) -> dict:
               "offset": torch.zeros(b, dtype=torch.int64, device=device)}
     # A draft that agrees with the target often: target logits plus noise.
     draft_logits = target[:, :k].float() + torch.randn(b, k, v, generator=gen, device=device)
-    if case.mode == "draft_probs":
+    if case.mode in ("draft_probs", "top_k_top_p"):
         inputs["draft_probs"] = torch.softmax(draft_logits, dim=-1)
     elif case.mode == "draft_logits":
         inputs["draft_logits"] = draft_logits.to(torch_dtype(case.dtype))
@@ -93,15 +96,20 @@ def _temperature(case: Case) -> float:
     return 0.0 if case.mode == "greedy" else SAMPLED_TEMPERATURE
 
 
+def _filters(case: Case) -> dict:
+    return dict(top_k=50, top_p=0.9) if case.mode == "top_k_top_p" else {}
+
+
 def _ours(backend: str, case: Case):
     import specdec_kernels as sk  # noqa: PLC0415 -- keep `python -m bench --help` light
     temperature = _temperature(case)
+    filters = _filters(case)
 
     def run(x):
         return sk.verify_chain(x["target_logits"], x["draft_token_ids"],
                                draft_probs=x.get("draft_probs"), draft_logits=x.get("draft_logits"),
                                temperature=temperature, seed=x["seed"], offset=x["offset"],
-                               backend=backend, validate=False)
+                               backend=backend, validate=False, **filters)
     return run
 
 
@@ -119,7 +127,9 @@ def _triton_parts(case: Case, temperature: float) -> list:
 
     def prepare_stats(x):
         logits = x["target_logits"]
-        params = _params.sampling_params(temperature, None, None, batch=logits.shape[0],
+        filters = _filters(case)
+        params = _params.sampling_params(temperature, filters.get("top_k"), filters.get("top_p"),
+                                         batch=logits.shape[0],
                                          vocab_size=logits.shape[-1], device=logits.device,
                                          validate=False)
         return logits, params
@@ -129,7 +139,7 @@ def _triton_parts(case: Case, temperature: float) -> list:
         return tsampling.row_stats(logits, params, logits.shape[1], logits.stride(0), logits.stride(1))
 
     parts = [Impl("triton", stats, kind="stage", stage="1_row_stats", prepare=prepare_stats)]
-    if temperature > 0:
+    if temperature > 0 and not _filters(case):
         def copy_then_ours(x):
             scaled = baselines.vllm_fp32_temperature(x["target_logits"], temperature)
             draft_logits = x.get("draft_logits")
@@ -152,6 +162,9 @@ def implementations(case: Case, device: torch.device) -> list:
         impls += _triton_parts(case, temperature)
     impls.append(Impl("reference", _ours("reference", case),
                       note="Philox noise over [B, V] in int64 torch ops"))
+    if case.mode == "top_k_top_p":
+        return impls + [Skip(name, "no top-k/top-p in this baseline")
+                        for name in ("torch_unfused", "vllm_style", "flashinfer")]
 
     if case.mode == "draft_logits":
         # The baselines take probabilities: their softmax of the draft is part of their cost.

@@ -110,28 +110,31 @@ def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi,
     steps = tl.arange(0, NUM_PIVOTS).to(tl.int64) + 1
     span = hi - lo
     pivots = lo + (span * steps + NUM_PIVOTS) // (NUM_PIVOTS + 1)  # ceil: in (lo, hi]
-    pivots32 = pivots.to(tl.int32)
-    count = tl.zeros([NUM_PIVOTS], tl.float32)
-    mass = tl.zeros([NUM_PIVOTS], tl.float32)
-    min_above = tl.full([NUM_PIVOTS], 2147483647, tl.int32)
-    max_below = tl.full([NUM_PIVOTS], -2147483648, tl.int32)
+    pivots32 = pivots.to(tl.int32)[None, :]
+    # Per-(token lane, pivot) accumulators, merged once after the loop: no CTA-wide reduction
+    # (and no barrier) per block.
+    count = tl.zeros([BLOCK_S, NUM_PIVOTS], tl.float32)
+    mass = tl.zeros([BLOCK_S, NUM_PIVOTS], tl.float32)
+    min_above = tl.full([BLOCK_S, NUM_PIVOTS], 2147483647, tl.int32)
+    max_below = tl.full([BLOCK_S, NUM_PIVOTS], -2147483648, tl.int32)
     for start in range(0, V, BLOCK_S):
         offs = start + tl.arange(0, BLOCK_S)
         # load_logits and _sort_key inlined (each nested call costs the interpreter a re-patch).
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        x = tl.where((x == x) & (tl.abs(x) < float("inf")), x, float("-inf"))
+        x = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))
         bits = x.to(tl.int32, bitcast=True)
         key = tl.where(x == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)) >> KEY_SHIFT
         live = (x > float("-inf")) & (key >= floor_key)
         e = tl.where(live, tl.exp2((x - x_max) * scale), 0.0)
-        ge = key[:, None] >= pivots32[None, :]
+        ge = key[:, None] >= pivots32
         above = ge & live[:, None]
         below = (~ge) & live[:, None]
-        count += tl.sum(above.to(tl.float32), axis=0)
-        mass += tl.sum(tl.where(above, e[:, None], 0.0), axis=0)
-        min_above = tl.minimum(min_above, tl.min(tl.where(above, key[:, None], 2147483647), axis=0))
-        max_below = tl.maximum(max_below, tl.max(tl.where(below, key[:, None], -2147483648), axis=0))
-    return pivots, count, mass, min_above, max_below
+        count += above.to(tl.float32)
+        mass += tl.where(above, e[:, None], 0.0)
+        min_above = tl.minimum(min_above, tl.where(above, key[:, None], 2147483647))
+        max_below = tl.maximum(max_below, tl.where(below, key[:, None], -2147483648))
+    return (pivots, tl.sum(count, axis=0), tl.sum(mass, axis=0), tl.min(min_above, axis=0),
+            tl.max(max_below, axis=0))
 
 
 @triton.jit
@@ -644,6 +647,10 @@ def _search_config(vocab: int, device: torch.device) -> tuple[int, int]:
 STATS_BLOCK = 4096
 STATS_R = 8
 
+# At most this many programs per row: the finish kernel merges them as one vector (32
+# spills in ptxas's allocation with the filters on; 16 and below do not).
+MAX_STATS_CHUNKS = 16
+
 # Tests set this to force the split-row path of the statistics on small vocabularies.
 STATS_CHUNK_OVERRIDE: int | None = None
 
@@ -658,7 +665,7 @@ def stats_chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int,
     elif interpreted(device):
         chunk = vocab
     else:
-        chunk = cdiv(vocab, cdiv(8 * num_sms(device), rows))
+        chunk = cdiv(vocab, min(cdiv(8 * num_sms(device), rows), MAX_STATS_CHUNKS))
     chunk = cdiv(max(chunk, block), block) * block
     return chunk, cdiv(vocab, chunk), block
 
@@ -835,7 +842,8 @@ COMPILE_SPECS = [
     _stats_spec("bf16", 16, False), _stats_spec("bf16", 16, True),
     _stats_spec("fp16", 13, True), _stats_spec("fp32", 0, False), _stats_spec("fp32", 0, True),
     _stats_spec("bf16", 16, False, chunks=4), _stats_spec("bf16", 16, True, chunks=4),
-    _stats_finish_spec("bf16", 16, False, 4), _stats_finish_spec("bf16", 16, True, 32),
+    _stats_finish_spec("bf16", 16, False, 4), _stats_finish_spec("bf16", 16, True, 16),
+    _stats_finish_spec("fp32", 0, True, 2),
     _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False),
     _race_spec("bf16", "fp32", Q_ONE_HOT, 8), _race_spec("bf16", "fp32", Q_PROBS, 1),
     _race_spec("bf16", "bf16", Q_LOGITS, 8), _race_spec("fp32", "fp32", Q_LOGITS, 1),
