@@ -68,8 +68,14 @@ def test_row_stats_give_the_reference_distribution(dtype, vocab):
     assert torch.equal(argmax.long(), x.argmax(-1))
 
 
-def test_top_k_ties_and_top_p_boundaries_are_exact():
-    # Integer logits: many exact ties, so off-by-one thresholds would show.
+@pytest.mark.parametrize("search", [None, "gpu"])
+def test_top_k_ties_and_top_p_boundaries_are_exact(monkeypatch, search):
+    """Integer logits: many exact ties, so off-by-one thresholds would show. ``gpu`` runs the
+    GPU's search shape (8 pivots a pass, blocks of 16 logits streamed 4 per iteration) where the
+    interpreter otherwise uses one block and 256 pivots: more passes, the same thresholds."""
+    from specdec_kernels.triton import sampling as tsampling
+    if search == "gpu":
+        monkeypatch.setattr(tsampling, "SEARCH_CONFIG_OVERRIDE", (16, 4, tsampling.NUM_PIVOTS))
     gen = torch.Generator().manual_seed(3)
     batch, vocab = 24, 300
     logits = torch.randint(-6, 6, (batch, vocab), generator=gen).float().to(DEVICE)
@@ -174,3 +180,23 @@ def test_split_row_statistics_equal_one_program_per_row(monkeypatch, dtype):
         assert int(split[1][3]) == 10
         assert torch.equal(split[0][:, :2], whole[0][:, :2]), "x_max and the top-k/top-p cut"
         torch.testing.assert_close(split[0][:, 2], whole[0][:, 2], rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_search_shape_gives_the_same_thresholds(monkeypatch, dtype):
+    """The top-k/top-p search in the GPU's shape (8 pivots a pass, 4 unrolled blocks of 16
+    logits) finds exactly the thresholds of the interpreter's shape (256 pivots, one block):
+    the search is exact whatever the number of passes, on random logits (fp32: many distinct
+    keys, so the most passes)."""
+    from specdec_kernels.triton import sampling as tsampling
+    gen = torch.Generator().manual_seed(21)
+    batch, vocab = 20, 1000
+    logits = _logits((batch, vocab), dtype, gen)
+    logits[1, ::3] = -torch.inf
+    params = _params.sampling_params(**mixed_params(batch, vocab, gen, DEVICE), batch=batch,
+                                     vocab_size=vocab, device=logits.device, validate=True)
+    wide = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
+    monkeypatch.setattr(tsampling, "SEARCH_CONFIG_OVERRIDE", (16, 4, tsampling.NUM_PIVOTS))
+    narrow = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
+    assert torch.equal(narrow[0][:, :2], wide[0][:, :2]) and torch.equal(narrow[1], wide[1])
+    torch.testing.assert_close(narrow[0][:, 2], wide[0][:, 2], rtol=2e-6, atol=0)

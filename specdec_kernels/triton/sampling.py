@@ -30,7 +30,7 @@ from . import _rng as trng
 from ._launch import cdiv, interpreted, next_pow2, num_sms
 
 # Pivots per search pass: each pass narrows the key interval by NUM_PIVOTS + 1.
-NUM_PIVOTS = 16
+NUM_PIVOTS = 8
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -98,7 +98,8 @@ def _key_value(key, KEY_SHIFT: tl.constexpr):
 
 @triton.jit
 def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi,
-                KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr,
+                NUM_PIVOTS: tl.constexpr):
     """One pass over the row evaluating NUM_PIVOTS keys spread over ``(lo, hi]`` at once.
 
     For each pivot, over the finite tokens with ``key >= floor_key``: the count and the mass
@@ -117,36 +118,39 @@ def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi,
     mass = tl.zeros([BLOCK_S, NUM_PIVOTS], tl.float32)
     min_above = tl.full([BLOCK_S, NUM_PIVOTS], 2147483647, tl.int32)
     max_below = tl.full([BLOCK_S, NUM_PIVOTS], -2147483648, tl.int32)
-    for start in range(0, V, BLOCK_S):
-        offs = start + tl.arange(0, BLOCK_S)
-        # load_logits and _sort_key inlined (each nested call costs the interpreter a re-patch).
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        x = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))
-        bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(x == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)) >> KEY_SHIFT
-        live = (x > float("-inf")) & (key >= floor_key)
-        e = tl.where(live, tl.exp2((x - x_max) * scale), 0.0)
-        ge = key[:, None] >= pivots32
-        above = ge & live[:, None]
-        below = (~ge) & live[:, None]
-        count += above.to(tl.float32)
-        mass += tl.where(above, e[:, None], 0.0)
-        min_above = tl.minimum(min_above, tl.where(above, key[:, None], 2147483647))
-        max_below = tl.maximum(max_below, tl.where(below, key[:, None], -2147483648))
+    # UNROLL_S independent [BLOCK_S] blocks per iteration: more loads in flight per warp.
+    for start in range(0, V, BLOCK_S * UNROLL_S):
+        for part in tl.static_range(UNROLL_S):
+            offs = start + part * BLOCK_S + tl.arange(0, BLOCK_S)
+            # load_logits and _sort_key inlined (each nested call costs the interpreter a re-patch).
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            x = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))
+            bits = x.to(tl.int32, bitcast=True)
+            key = tl.where(x == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)) >> KEY_SHIFT
+            live = (x > float("-inf")) & (key >= floor_key)
+            e = tl.where(live, tl.exp2((x - x_max) * scale), 0.0)
+            ge = key[:, None] >= pivots32
+            above = ge & live[:, None]
+            below = (~ge) & live[:, None]
+            count += above.to(tl.float32)
+            mass += tl.where(above, e[:, None], 0.0)
+            min_above = tl.minimum(min_above, tl.where(above, key[:, None], 2147483647))
+            max_below = tl.maximum(max_below, tl.where(below, key[:, None], -2147483648))
     return (pivots, tl.sum(count, axis=0), tl.sum(mass, axis=0), tl.min(min_above, axis=0),
             tl.max(max_below, axis=0))
 
 
 @triton.jit
 def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, BY_MASS: tl.constexpr,
-            KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+            KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr,
+                NUM_PIVOTS: tl.constexpr):
     """The largest key ``t`` whose kept set ``{key >= t}`` still has count (top-k) or mass
     (top-p) ``>= target``, searched in ``[lo, hi]`` (keys of the row; ``lo`` qualifies and
     bounds the set from below). Returns ``t`` and the count and mass of its kept set."""
     floor_key = lo.to(tl.int32)
     while lo < hi:
         pivots, count, mass, min_above, max_below = _pivot_pass(
-            row_ptr, V, x_max, scale, floor_key, lo, hi, KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+            row_ptr, V, x_max, scale, floor_key, lo, hi, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
         if BY_MASS:
             ok = mass >= target
             exact = ok & (mass < 0.0)  # a mass target is never met exactly on purpose
@@ -242,7 +246,7 @@ def _stream_stats(row_ptr, start_v, end_v, scale, TRACK_RANGE: tl.constexpr,
 def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
                 top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                 USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
-                BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """Applies top-k then top-p to a row's merged statistics (pivot passes over the row for
     the requests that use them) and stores ``(x_max, x_thr, norm)`` and the arg-max."""
     has_finite = x_max > float("-inf")
@@ -258,7 +262,7 @@ def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greed
             hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
             lo, lo_count, lo_mass = _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass,
                                             top_k.to(tl.float32), False,
-                                            KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+                                            KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
             filtered = tl.full([], 1, tl.int1)
     if USE_TOP_P:
         top_p = tl.load(top_p_ptr + req)
@@ -266,7 +270,7 @@ def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greed
             hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
             lo, lo_count, lo_mass = _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass,
                                             top_p * lo_mass, True,
-                                            KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+                                            KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
             filtered = tl.full([], 1, tl.int1)
     x_thr = tl.where(filtered, _key_value(lo, KEY_SHIFT), float("-inf"))
     tl.store(stats_ptr + r * 3 + 0, x_max)
@@ -281,7 +285,7 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                       part_f_ptr, part_i_ptr, V, chunk_size,
                       USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
                       NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
-                      BLOCK_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                      BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """Per-row statistics of the processed distribution; grid (rows, NUM_CHUNKS), program
     (r, c) streams tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of row r.
 
@@ -291,7 +295,7 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
 
     Bytes: reads V * elem_size once per row; writes 16 B per row (3 float32 + 1 int32), or
     20 B of partials per program; plus V * elem_size per pivot pass for a row whose top-k or
-    top-p is active (~log_17(key span) passes each, <= 4 for bf16, <= 8 for fp32); rows with
+    top-p is active (~log_9(key span) passes each, <= 6 for bf16, <= 11 for fp32); rows with
     the filters off (and greedy rows) do no pass beyond the first.
     """
     r = tl.program_id(0)
@@ -308,7 +312,7 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
     if NUM_CHUNKS == 1:
         _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
                     top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
-                    USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+                    USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
     else:
         part = r * NUM_CHUNKS + chunk
         tl.store(part_f_ptr + part * 3 + 0, x_max)
@@ -325,7 +329,7 @@ def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                              USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
                              KEY_SHIFT: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                              CHUNKS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-                             NUM_PIVOTS: tl.constexpr):
+                             UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     """Merges the NUM_CHUNKS partial statistics of one row (grid rows), then finishes it as
     ``_row_stats_kernel`` does. Bytes: reads 20 B per chunk (plus the pivot passes of rows
     whose filters are active), writes 16 B."""
@@ -346,7 +350,7 @@ def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         tl.load(part_i_ptr + part * 2 + 1, mask=valid, other=0), scale)
     _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
                 top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
-                USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, NUM_PIVOTS)
+                USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
 
 
 # ----------------------------------------------------------------------------- the race
@@ -632,12 +636,24 @@ def block_size(vocab: int, device: torch.device, cap_gpu: int = 2048, cap_cpu: i
     return max(16, min(next_pow2(vocab), cap))
 
 
-def _search_config(vocab: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_S, NUM_PIVOTS) of the pivot passes. The GPU keeps [BLOCK_S, NUM_PIVOTS] in
-    registers; the interpreter pays per pass, not per element, so it takes more pivots."""
+# Blocks of BLOCK_S logits per iteration of a pivot pass on a GPU: independent loads in flight.
+# (8 pivots x 8 blocks compiles without spills on sm_80/sm_90; 16 pivots spill from 4 blocks.)
+PIVOT_UNROLL = 8
+
+# Tests set this to run the GPU's search configuration (BLOCK_S, UNROLL_S, NUM_PIVOTS) on CPU.
+SEARCH_CONFIG_OVERRIDE: tuple[int, int, int] | None = None
+
+
+def _search_config(vocab: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_S, UNROLL_S, NUM_PIVOTS) of the pivot passes. The GPU keeps [BLOCK_S, NUM_PIVOTS]
+    accumulators in registers and streams UNROLL_S blocks per iteration; the interpreter pays
+    per operation, not per element, so it takes one large block and more pivots."""
+    if SEARCH_CONFIG_OVERRIDE is not None:
+        return SEARCH_CONFIG_OVERRIDE
     if interpreted(device):
-        return max(16, min(next_pow2(vocab), 2048)), 256
-    return max(16, min(next_pow2(vocab), 128)), NUM_PIVOTS
+        return max(16, min(next_pow2(vocab), 2048)), 1, 256
+    block_s = max(16, min(next_pow2(vocab), 128))
+    return block_s, min(PIVOT_UNROLL, next_pow2(cdiv(vocab, block_s))), NUM_PIVOTS
 
 
 # Vocabulary block of the statistics' streaming pass on a GPU (8 warps: 16 logits per thread
@@ -683,7 +699,7 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
     if rows == 0:
         return stats, argmax
     interp = interpreted(device)
-    block_s, num_pivots = _search_config(vocab, device)
+    block_s, unroll_s, num_pivots = _search_config(vocab, device)
     chunk, num_chunks, block = stats_chunks(rows, vocab, device)
     if num_chunks > 1:
         part_f = torch.empty((rows, num_chunks, 3), dtype=torch.float32, device=device)
@@ -693,7 +709,8 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
     filters = dict(USE_TOP_K=bool(params.uses_top_k) and not params.all_greedy,
                    USE_TOP_P=bool(params.uses_top_p) and not params.all_greedy,
                    KEY_SHIFT=_KEY_SHIFT[logits.dtype], NUM_CHUNKS=num_chunks,
-                   BLOCK_S=block_s, NUM_PIVOTS=num_pivots, num_warps=1 if interp else 8)
+                   BLOCK_S=block_s, UNROLL_S=unroll_s, NUM_PIVOTS=num_pivots,
+                   num_warps=1 if interp else 8)
     args = (logits, stride_req, stride_row, rows_per_req, params.temperature, params.top_k,
             params.top_p, stats, argmax, part_f, part_i, vocab)
     _row_stats_kernel[(rows, num_chunks)](*args, chunk, BLOCK=block, R=STATS_R, **filters)
@@ -803,7 +820,7 @@ def _stats_spec(dtype: str, key_shift: int, filters: bool, chunks: int = 1) -> d
         kernel=_row_stats_kernel,
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE, chunk_size="i32"),
         constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift,
-                        NUM_CHUNKS=chunks, BLOCK=STATS_BLOCK, R=STATS_R, BLOCK_S=128,
+                        NUM_CHUNKS=chunks, BLOCK=STATS_BLOCK, R=STATS_R, BLOCK_S=128, UNROLL_S=PIVOT_UNROLL,
                         NUM_PIVOTS=NUM_PIVOTS),
         num_warps=8)
 
@@ -814,7 +831,7 @@ def _stats_finish_spec(dtype: str, key_shift: int, filters: bool, chunks: int) -
         kernel=_row_stats_finish_kernel,
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE),
         constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift,
-                        NUM_CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks), BLOCK_S=128,
+                        NUM_CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks), BLOCK_S=128, UNROLL_S=PIVOT_UNROLL,
                         NUM_PIVOTS=NUM_PIVOTS),
         num_warps=8)
 
