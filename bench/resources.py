@@ -3,7 +3,7 @@ machine without a GPU.
 
 Every module of ``specdec_kernels.triton`` that defines ``COMPILE_SPECS`` (a list of dicts:
 ``name``, ``kernel`` (or ``fn``), ``signature`` {argument: type}, ``constexprs`` {argument: value},
-``num_warps``) is collected; each spec is compiled with
+``num_warps``, optionally ``maxnreg``) is collected; each spec is compiled with
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``. Registers, spills and
 stack come from ``ptxas -v`` on the generated PTX (the ptxas Triton itself uses), shared
 memory from the kernel's metadata. The driver-filled ``n_regs``/``n_spills`` are not used:
@@ -105,7 +105,8 @@ def compile_spec(spec: dict, arch: int) -> dict:
     constexprs = {(kernel.arg_names.index(name),): value for name, value in spec["constexprs"].items()}
     source = ASTSource(kernel, signature, constexprs, _alignment_attrs(kernel, spec))
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=spec["num_warps"]))
+                              options=dict(num_warps=spec["num_warps"],
+                                           **({"maxnreg": spec["maxnreg"]} if "maxnreg" in spec else {})))
     meta = compiled.metadata
     shared = meta["shared"] if isinstance(meta, dict) else getattr(meta, "shared", None)
     usage = _ptxas_usage(compiled.asm["ptx"])

@@ -60,7 +60,7 @@ def test_scalar_parameters_cost_only_the_output_allocations(monkeypatch):
         sk.verify_chain(logits, draft_ids, **kwargs)
     assert set(counted.ops) <= {"aten.empty.memory_format"}, dict(counted.ops)
     assert counted.ops["aten.empty.memory_format"] <= 6
-    assert launches == {"_row_stats_kernel": 1, "_accept_kernel": 1, "_race_kernel": 1}
+    assert launches == {"_row_stats_kernel": 1, "_race_kernel": 1}  # the race accepts too
 
 
 def test_broadcast_scalars_are_cached_and_bounded():

@@ -482,10 +482,76 @@ def _final_token(greedy, has_finite, argmax, use_residual, best_p, idx_p, best_r
 
 
 @triton.jit
+def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
+                   q_ptr, stride_q_req, stride_q_row, q_stats_ptr, draft_ids_ptr, stride_ids,
+                   num_draft, greedy, scale, seed, offset, V, K, Q_MODE: tl.constexpr):
+    """The chain's acceptance loop for request ``req`` (contract section 3): returns
+    ``(num_accepted, rejected)``, ``rejected`` when a live, in-range draft was rejected (its
+    residual is sampled next). Reads, per live draft, the id,
+    16 B of stats, one target logit and one draft probability, or one draft logit and 12 B of
+    its stats. Out-of-range ids (validate=False) are rejected without being read through, and
+    leave no residual: they were never drawn from q. The loads of all ``num_draft`` drafts
+    are issued whatever the verdicts (at most ~30 B per draft past the first rejection)."""
+    ids_row = draft_ids_ptr + req.to(tl.int64) * stride_ids
+    logits_row = logits_ptr + req.to(tl.int64) * stride_req
+    q_row = q_ptr + req.to(tl.int64) * stride_q_req
+    accepting = num_draft > 0
+    num_accepted = tl.full([], 0, tl.int32)
+    rejected = tl.full([], 0, tl.int1)
+    for j in range(0, K):
+        j64 = tl.zeros([], tl.int64) + j  # the interpreter's loop index is a Python int
+        # Loads do not wait for the previous draft's verdict (a few bytes more past the first
+        # rejection, but one memory latency for the loop instead of one per draft).
+        live = j < num_draft
+        draft = tl.load(ids_row + j, mask=live, other=0).to(tl.int64)
+        valid = live & (draft >= 0) & (draft < V)
+        token = tl.where(valid, draft, 0)
+        row = req * (K + 1) + j
+        x_max = tl.load(stats_ptr + row * 3 + 0, mask=valid, other=float("-inf"))
+        x_thr = tl.load(stats_ptr + row * 3 + 1, mask=valid, other=0.0)
+        norm = tl.load(stats_ptr + row * 3 + 2, mask=valid, other=1.0)
+        argmax = tl.load(argmax_ptr + row, mask=valid, other=-1)
+        p = processed_prob(load_logits(logits_row + j64 * stride_row, token, valid),
+                           x_max, x_thr, norm, scale)
+        if Q_MODE == 2:
+            q = tl.load(q_row + j64 * stride_q_row + token, mask=valid, other=0.0).to(tl.float32)
+        elif Q_MODE == 3:
+            q_stat_row = req * K + j
+            q_max = tl.load(q_stats_ptr + q_stat_row * 3 + 0, mask=valid, other=float("-inf"))
+            q_thr = tl.load(q_stats_ptr + q_stat_row * 3 + 1, mask=valid, other=0.0)
+            q_norm = tl.load(q_stats_ptr + q_stat_row * 3 + 2, mask=valid, other=1.0)
+            q = processed_prob(load_logits(q_row + j64 * stride_q_row, token, valid),
+                               q_max, q_thr, q_norm, scale)
+        else:  # one-hot drafts
+            q = tl.full([], 1.0, tl.float32)
+        u = trng.uniform(seed, offset, j64 + 1, trng.PURPOSE_ACCEPT, tl.zeros([], tl.int32))
+        # Greedy p is one-hot at the arg-max (zero everywhere on a row with no finite logit).
+        greedy_ok = (token == argmax) & (x_max > float("-inf"))
+        accepted = valid & tl.where(greedy, greedy_ok, u * q < p)
+        rejected = rejected | (accepting & valid & ~accepted)
+        accepting = accepting & accepted
+        num_accepted += accepting.to(tl.int32)
+    return num_accepted, rejected
+
+
+@triton.jit
+def _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids, num_accepted, token,
+                     K, K_P2: tl.constexpr):
+    """Row ``req`` of ``output_token_ids`` in one store: the accepted drafts, ``token`` at
+    ``num_accepted``, then -1."""
+    positions = tl.arange(0, K_P2)
+    drafts = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + positions,
+                     mask=positions < num_accepted, other=-1).to(tl.int32)
+    row = tl.where(positions < num_accepted, drafts, tl.where(positions == num_accepted, token, -1))
+    tl.store(out_ptr + req.to(tl.int64) * stride_out + positions, row, mask=positions < K + 1)
+
+
+@triton.jit
 def _sampled_row(req, num_accepted_ptr, num_draft_ptr, draft_ids_ptr, stride_ids, V, K,
                  IS_CHAIN: tl.constexpr):
-    """(row within the request, whether a draft was rejected there): a chain samples row
-    ``num_accepted``, from the residual after a rejection; ``sample`` samples row 0."""
+    """(row within the request, whether a draft was rejected there) as the race kernel left
+    them: a chain samples row ``num_accepted``, from the residual after a rejection of a live,
+    in-range draft; ``sample`` samples row 0."""
     if IS_CHAIN:
         num_accepted = tl.load(num_accepted_ptr + req)
         num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
@@ -508,15 +574,20 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
                  part_score_ptr, part_index_ptr, V, K, chunk_size,
                  PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
-                 NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+                 NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr):
     """One correction/bonus (chain) or sample token per request; grid (B, NUM_CHUNKS), each
     program races ``chunk_size`` tokens of the request's row ``num_accepted`` (chain) or 0.
 
+    A chain's programs first replay the acceptance of their request (``_accept_drafts``: a
+    few gathered values per draft, cheaper than a launch of its own); chunk 0 writes the
+    accepted drafts, ``num_accepted`` and the -1 padding.
+
     Bytes per request: reads one target row (V * elem_size), plus one draft row (V * elem_size
     of draft_probs / draft_logits) only when the request rejected a draft and is not greedy;
-    reads ~64 B of stats/ids/parameters per program; writes 4 B (NUM_CHUNKS == 1) or 24 B
-    of partial results per program. Compute: one Philox-4x32-10 per token (the noise); the
-    race keeps a winner per lane of the [BLOCK] vector and reduces across lanes once per chunk.
+    reads ~64 B of stats/ids/parameters per program, plus the acceptance's gathers; writes
+    (K + 1) * 4 + 4 B (chain) or 4 B (sample), and 24 B of partial results per program when
+    V is split. Compute: one Philox-4x32-10 per four tokens and a log per token (the noise);
+    the race keeps a winner per lane and reduces across lanes once per chunk.
     """
     req = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -525,8 +596,20 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     scale = exp2_scale(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
-    num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_ptr, draft_ids_ptr,
-                                          stride_ids, V, K, IS_CHAIN)
+    if IS_CHAIN:
+        num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
+        num_accepted, rejected = _accept_drafts(
+            req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
+            stride_q_row, q_stats_ptr, draft_ids_ptr, stride_ids, num_draft, greedy, scale,
+            seed, offset, V, K, Q_MODE)
+        if NUM_CHUNKS > 1:
+            if chunk == 0:  # the token itself follows from _race_reduce_kernel
+                _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
+                                 num_accepted, -1, K, K_P2)
+                tl.store(num_accepted_ptr + req, num_accepted)
+    else:
+        num_accepted = tl.full([], 0, tl.int32)
+        rejected = tl.full([], 0, tl.int1)
     row = req * rows_per_req + num_accepted
     row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
                + num_accepted.to(tl.int64) * stride_row)
@@ -584,7 +667,12 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
         argmax = tl.load(argmax_ptr + row)
         token = _final_token(greedy, x_max > float("-inf"), argmax, use_residual,
                              best_p, idx_p, best_r, idx_r, has_mass, has_nan)
-        tl.store(out_ptr + req.to(tl.int64) * stride_out + num_accepted, token)
+        if IS_CHAIN:
+            _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids, num_accepted,
+                             token, K, K_P2)
+            tl.store(num_accepted_ptr + req, num_accepted)
+        else:
+            tl.store(out_ptr + req.to(tl.int64) * stride_out, token)
     else:
         part = req * NUM_CHUNKS + chunk
         tl.store(part_score_ptr + part * 2 + 0, best_p)
@@ -698,7 +786,6 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
     if rows == 0:
         return stats, argmax
-    interp = interpreted(device)
     block_s, unroll_s, num_pivots = _search_config(vocab, device)
     chunk, num_chunks, block = stats_chunks(rows, vocab, device)
     if num_chunks > 1:
@@ -710,13 +797,27 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
                    USE_TOP_P=bool(params.uses_top_p) and not params.all_greedy,
                    KEY_SHIFT=_KEY_SHIFT[logits.dtype], NUM_CHUNKS=num_chunks,
                    BLOCK_S=block_s, UNROLL_S=unroll_s, NUM_PIVOTS=num_pivots,
-                   num_warps=1 if interp else 8)
+                   num_warps=1 if interpreted(device) else 8)
     args = (logits, stride_req, stride_row, rows_per_req, params.temperature, params.top_k,
             params.top_p, stats, argmax, part_f, part_i, vocab)
     _row_stats_kernel[(rows, num_chunks)](*args, chunk, BLOCK=block, R=STATS_R, **filters)
     if num_chunks > 1:
         _row_stats_finish_kernel[(rows,)](*args, CHUNKS_P2=next_pow2(num_chunks), **filters)
     return stats, argmax
+
+
+# Register bound (PTX .maxnreg) of the race on a GPU. Without one, ptxas settles at 80
+# registers for the race with draft logits on sm_80 and spills 24 B; bounded at 128 it takes
+# 96 and spills nothing. (A bound makes ptxas use more registers, so the statistics kernels,
+# which do not spill, go without.)
+MAX_REGISTERS = 128
+
+
+def launch_options(device: torch.device, num_warps: int) -> dict:
+    """``num_warps`` and the register bound on a GPU; one warp, no options, in the interpreter."""
+    if interpreted(device):
+        return dict(num_warps=1)
+    return dict(num_warps=num_warps, maxnreg=MAX_REGISTERS)
 
 
 # Tests set this to force the split-V path of the race on small vocabularies.
@@ -761,7 +862,6 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
         if num_chunks > 1 else dummy_f
     part_index = torch.empty((batch, num_chunks, 4), dtype=torch.int32, device=device) \
         if num_chunks > 1 else dummy_i
-    interp = interpreted(device)
     _race_kernel[(batch, num_chunks)](
         logits, stride_req, stride_row, rows_per_req, stats, argmax,
         q if q is not None else dummy_f, q_strides[0], q_strides[1],
@@ -773,7 +873,7 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
         params.temperature, seeds, offsets, out, stride_out, part_score, part_index,
         vocab, num_drafts, chunk,
         PURPOSE=purpose, IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=num_chunks,
-        BLOCK=block, num_warps=1 if interp else 4)
+        BLOCK=block, K_P2=next_pow2(num_drafts + 1), **launch_options(device, 4))
     if num_chunks > 1:
         _race_reduce_kernel[(batch,)](
             stats, argmax, rows_per_req,
@@ -849,8 +949,9 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                        part_score_ptr="*fp32", part_index_ptr="*i32", V="i32", K="i32",
                        chunk_size="i32"),
         constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
-                        IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=chunks, BLOCK=512),
-        num_warps=4)
+                        IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=chunks, BLOCK=512,
+                        K_P2=8 if is_chain else 1),
+        num_warps=4, maxnreg=MAX_REGISTERS)
 
 
 # (kernel, argument types, constexprs, num_warps) of every kernel here, in the configurations
