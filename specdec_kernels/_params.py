@@ -7,6 +7,7 @@ when ``validate=True``.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -99,6 +100,7 @@ def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
 # internal (never returned to the caller, never written). Bounded: oldest entry out first.
 _BROADCAST_CACHE: dict = {}
 _BROADCAST_CACHE_SIZE = 256
+_BROADCAST_LOCK = threading.Lock()  # misses only: a hit is one dict lookup
 
 
 def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -111,9 +113,10 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
     tensor = torch.full((batch,), value, dtype=dtype, device=device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return tensor
-    if len(_BROADCAST_CACHE) >= _BROADCAST_CACHE_SIZE:
-        del _BROADCAST_CACHE[next(iter(_BROADCAST_CACHE))]
-    _BROADCAST_CACHE[key] = tensor
+    with _BROADCAST_LOCK:
+        if len(_BROADCAST_CACHE) >= _BROADCAST_CACHE_SIZE:
+            del _BROADCAST_CACHE[next(iter(_BROADCAST_CACHE))]
+        _BROADCAST_CACHE[key] = tensor
     return tensor
 
 
@@ -125,7 +128,8 @@ def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if cached is None:
         cached = torch.empty(1, dtype=dtype, device=device)
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _BROADCAST_CACHE[key] = cached
+            with _BROADCAST_LOCK:
+                _BROADCAST_CACHE[key] = cached
     return cached
 
 
