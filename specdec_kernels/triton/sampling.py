@@ -143,7 +143,7 @@ def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi,
 @triton.jit
 def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, BY_MASS: tl.constexpr,
             KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr,
-                NUM_PIVOTS: tl.constexpr):
+            NUM_PIVOTS: tl.constexpr):
     """The largest key ``t`` whose kept set ``{key >= t}`` still has count (top-k) or mass
     (top-p) ``>= target``, searched in ``[lo, hi]`` (keys of the row; ``lo`` qualifies and
     bounds the set from below). Returns ``t`` and the count and mass of its kept set."""
