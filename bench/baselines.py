@@ -77,8 +77,9 @@ def _accept_and_resample(target_probs_at, target_row, draft_ids: torch.Tensor,
     last = num_accepted.clamp(max=num_drafts - 1)
     rows = _rows(batch, device)
     if draft_probs is None:
-        q_last = torch.zeros_like(p_last)
-        q_last[rows, ids[rows, last]] = 1.0
+        # scatter_ with a scalar (not an indexed assignment, which copies a CPU scalar and so
+        # cannot be captured in a CUDA graph)
+        q_last = torch.zeros_like(p_last).scatter_(1, ids.gather(1, last[:, None]), 1.0)
     else:
         q_last = draft_probs[rows, last].float()
     residual = (p_last - q_last).clamp(min=0)
