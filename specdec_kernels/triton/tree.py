@@ -34,9 +34,9 @@ import triton.language as tl
 
 from .._params import scratch
 from . import _rng as trng
-from ._launch import interpreted, next_pow2
-from .sampling import (_last_dim_contiguous, _tile_best, block_size,
-                       exp2_scale, load_logits, processed_prob, quad_offsets,
+from ._launch import next_pow2
+from .sampling import (MAX_REGISTERS, _last_dim_contiguous, _tile_best, block_size,
+                       exp2_scale, launch_options, load_logits, processed_prob, quad_offsets,
                        row_stats)
 
 MODE_DETERMINISTIC, MODE_IID, MODE_WITHOUT_REPLACEMENT = 0, 1, 2
@@ -90,8 +90,8 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     without-replacement drafts, one target row and one draft row (V * (elem + q_elem)); for
     the final token, one target row (plus its draft row when residual steps are pending).
     Writes 2 * N * 4 + 4 B. Compute: O(k) flops per element of a pass after k rejections at
-    the node, one Philox-4x32-10 per token of the final pass (whose race keeps a winner per
-    lane of the [BLOCK] vector, reduced across lanes once after the loop).
+    the node, one Philox-4x32-10 per four tokens of the final pass. Both kinds of pass keep
+    per-lane accumulators (mass, winner) and reduce across lanes once after the loop.
     """
     req = tl.program_id(0)
     req64 = req.to(tl.int64)
@@ -163,7 +163,10 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
             new_mass = tl.full([], 0.0, tl.float32)
             has_mass = tl.full([], 0, tl.int32)
             if rejected:
-                # One pass over the node's rows: the mass of max(p_k - q_{k+1}, 0).
+                # One pass over the node's rows: the mass of max(p_k - q_{k+1}, 0), summed per
+                # lane and reduced once after the loop (no CTA-wide reduction per block).
+                lane_mass = tl.zeros([BLOCK], tl.float32)
+                lane_has = tl.zeros([BLOCK], tl.int32)
                 for start in range(0, V, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
                     mask = offs < V
@@ -176,8 +179,10 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                         qv = _wor_draft(qv, gone_v, q_mass)
                     nv = tl.maximum(tl.math.div_rn(rv, p_mass) - qv, 0.0)
                     nv = tl.where(mask, nv, 0.0)
-                    new_mass += tl.sum(nv, axis=0)
-                    has_mass = tl.maximum(has_mass, tl.max((nv > 0.0).to(tl.int32), axis=0))
+                    lane_mass += nv
+                    lane_has = tl.maximum(lane_has, (nv > 0.0).to(tl.int32))
+                new_mass = tl.sum(lane_mass, axis=0)
+                has_mass = tl.max(lane_has, axis=0)
             masses = tl.where(rejected & (idx == steps), p_mass, masses)
             q_masses = tl.where(rejected & (idx == steps), q_mass, q_masses)
             applied = tl.where(rejected & (idx == steps), has_mass, applied)
@@ -268,14 +273,13 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
         mode = _MODES[draft_sampling]
         q = _last_dim_contiguous(draft_probs)
         q_strides = (q.stride(0), q.stride(1))
-    interp = interpreted(device)
     _tree_walk_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), stats, argmax,
         q, q_strides[0], q_strides[1], ids, ids.stride(0), par, par.stride(0),
         num_nodes.to(torch.int32).contiguous(), params.temperature, seeds, offsets,
         out, path, num_accepted, vocab, nodes,
         MODE=mode, N_P2=next_pow2(nodes),
-        BLOCK=block_size(vocab, device, cap_gpu=WALK_BLOCK), num_warps=1 if interp else WALK_WARPS)
+        BLOCK=block_size(vocab, device, cap_gpu=WALK_BLOCK), **launch_options(device, WALK_WARPS))
     return out, path, num_accepted
 
 
@@ -291,15 +295,18 @@ _WALK_SIGNATURE = {
     "offset_ptr": "*i64", "out_ptr": "*i32", "path_ptr": "*i32", "num_accepted_ptr": "*i32",
     "V": "i32", "N": "i32",
 }
-# Vocabulary block and warps of the walk's row passes: the only configuration of
-# {256, 512} x {2, 4, 8} that spills on neither sm_80 nor sm_90 (python_tests/test_triton_compile.py).
-WALK_BLOCK = 256
+# Vocabulary block and warps of the walk's row passes (one program per request, so a large
+# block: 4 logits per thread per iteration). With the race's register bound (maxnreg 128) it
+# compiles without spills on sm_80/sm_90 at 80-121 registers (python_tests/test_triton_compile.py);
+# unbounded, ptxas settles at 80 and spills from 512 on.
+WALK_BLOCK = 1024
 WALK_WARPS = 8
 
 COMPILE_SPECS = [
     {"name": f"tree_walk_{mode_name}_n{n_p2}", "fn": _tree_walk_kernel,
      "signature": _WALK_SIGNATURE,
-     "constexprs": {"MODE": mode, "N_P2": n_p2, "BLOCK": WALK_BLOCK}, "num_warps": WALK_WARPS}
+     "constexprs": {"MODE": mode, "N_P2": n_p2, "BLOCK": WALK_BLOCK}, "num_warps": WALK_WARPS,
+     "maxnreg": MAX_REGISTERS}
     for mode_name, mode in (("deterministic", MODE_DETERMINISTIC), ("iid", MODE_IID),
                             ("without_replacement", MODE_WITHOUT_REPLACEMENT))
     for n_p2 in (8, 64)
