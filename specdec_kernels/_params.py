@@ -101,18 +101,28 @@ def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
 _BROADCAST_CACHE: dict = {}
 _BROADCAST_CACHE_SIZE = 256
 _BROADCAST_LOCK = threading.Lock()  # misses only: a hit is one dict lookup
+_SCRATCH: dict = {}  # (dtype, device) -> one element; never evicted
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.full((batch,), value)``, cached. Nothing is cached while a CUDA graph is being
-    captured: the fill of a tensor made under capture happens only when the graph replays."""
+    """``torch.full((batch,), value)``, cached outside CUDA-graph capture.
+
+    Under capture the cache is bypassed both ways: a graph keeps raw pointers, so it must not
+    use a cached tensor that a later eviction could free (an engine capturing one graph per
+    batch size can outgrow the cache), and a tensor filled under capture holds its value only
+    when the graph replays. The graph then carries its own small fill kernels.
+    """
+    if _capturing(device):
+        return torch.full((batch,), value, dtype=dtype, device=device)
     key = (type(value), value, batch, dtype, device)
     cached = _BROADCAST_CACHE.get(key)
     if cached is not None:
         return cached
     tensor = torch.full((batch,), value, dtype=dtype, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return tensor
     with _BROADCAST_LOCK:
         if len(_BROADCAST_CACHE) >= _BROADCAST_CACHE_SIZE:
             del _BROADCAST_CACHE[next(iter(_BROADCAST_CACHE))]
@@ -122,14 +132,13 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
 
 def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A one-element tensor for kernel arguments that the chosen mode never reads (never
-    filled: no kernel), one per device and dtype."""
-    key = ("scratch", dtype, device)
-    cached = _BROADCAST_CACHE.get(key)
+    filled: no kernel), one per device and dtype, kept for the life of the process (so a
+    captured graph may hold it)."""
+    key = (dtype, device)
+    cached = _SCRATCH.get(key)
     if cached is None:
-        cached = torch.empty(1, dtype=dtype, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            with _BROADCAST_LOCK:
-                _BROADCAST_CACHE[key] = cached
+        with _BROADCAST_LOCK:
+            cached = _SCRATCH.setdefault(key, torch.empty(1, dtype=dtype, device=device))
     return cached
 
 
