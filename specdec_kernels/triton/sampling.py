@@ -732,16 +732,24 @@ PIVOT_UNROLL = 8
 SEARCH_CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 
 
-def _search_config(vocab: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_S, UNROLL_S, NUM_PIVOTS) of the pivot passes. The GPU keeps [BLOCK_S, NUM_PIVOTS]
-    accumulators in registers and streams UNROLL_S blocks per iteration; the interpreter pays
-    per operation, not per element, so it takes one large block and more pivots."""
+def _search_config(vocab: int, device: torch.device,
+                   warps: int = 8) -> tuple[int, int, int]:
+    """(BLOCK_S, UNROLL_S, NUM_PIVOTS) of the pivot passes of a program of ``warps`` warps.
+    The GPU keeps [BLOCK_S, NUM_PIVOTS] accumulators in registers (BLOCK_S = 16 logits per
+    warp) and streams UNROLL_S blocks per iteration; the interpreter pays per operation, not
+    per element, so it takes one large block and more pivots."""
     if SEARCH_CONFIG_OVERRIDE is not None:
         return SEARCH_CONFIG_OVERRIDE
     if interpreted(device):
         return max(16, min(next_pow2(vocab), 2048)), 1, 256
-    block_s = max(16, min(next_pow2(vocab), 128))
+    block_s = max(16, min(next_pow2(vocab), 16 * warps))
     return block_s, min(PIVOT_UNROLL, next_pow2(cdiv(vocab, block_s))), NUM_PIVOTS
+
+
+# Warps of the finish kernel when it searches (filters compiled in): it runs when rows are
+# few, one program per row, so each program streams twice the statistics kernel's 1024
+# logits per pass iteration (BLOCK_S 256 x 8 blocks; no spills on sm_80/sm_90).
+FINISH_SEARCH_WARPS = 16
 
 
 # Vocabulary block of the statistics' streaming pass on a GPU (8 warps: 16 logits per thread
@@ -786,23 +794,30 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
     if rows == 0:
         return stats, argmax
-    block_s, unroll_s, num_pivots = _search_config(vocab, device)
     chunk, num_chunks, block = stats_chunks(rows, vocab, device)
     if num_chunks > 1:
         part_f = torch.empty((rows, num_chunks, 3), dtype=torch.float32, device=device)
         part_i = torch.empty((rows, num_chunks, 2), dtype=torch.int32, device=device)
     else:
         part_f, part_i = scratch(device, torch.float32), scratch(device, torch.int32)
-    filters = dict(USE_TOP_K=bool(params.uses_top_k) and not params.all_greedy,
-                   USE_TOP_P=bool(params.uses_top_p) and not params.all_greedy,
-                   KEY_SHIFT=_KEY_SHIFT[logits.dtype], NUM_CHUNKS=num_chunks,
-                   BLOCK_S=block_s, UNROLL_S=unroll_s, NUM_PIVOTS=num_pivots,
-                   num_warps=1 if interpreted(device) else 8)
+    use_top_k = bool(params.uses_top_k) and not params.all_greedy
+    use_top_p = bool(params.uses_top_p) and not params.all_greedy
+    filters = dict(USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, KEY_SHIFT=_KEY_SHIFT[logits.dtype],
+                   NUM_CHUNKS=num_chunks)
     args = (logits, stride_req, stride_row, rows_per_req, params.temperature, params.top_k,
             params.top_p, stats, argmax, part_f, part_i, vocab)
-    _row_stats_kernel[(rows, num_chunks)](*args, chunk, BLOCK=block, R=STATS_R, **filters)
+    warps = 1 if interpreted(device) else 8
+    block_s, unroll_s, num_pivots = _search_config(vocab, device, warps)
+    _row_stats_kernel[(rows, num_chunks)](
+        *args, chunk, BLOCK=block, R=STATS_R, BLOCK_S=block_s, UNROLL_S=unroll_s,
+        NUM_PIVOTS=num_pivots, num_warps=warps, **filters)
     if num_chunks > 1:
-        _row_stats_finish_kernel[(rows,)](*args, CHUNKS_P2=next_pow2(num_chunks), **filters)
+        if not interpreted(device) and (use_top_k or use_top_p):
+            warps = FINISH_SEARCH_WARPS
+        block_s, unroll_s, num_pivots = _search_config(vocab, device, warps)
+        _row_stats_finish_kernel[(rows,)](
+            *args, CHUNKS_P2=next_pow2(num_chunks), BLOCK_S=block_s, UNROLL_S=unroll_s,
+            NUM_PIVOTS=num_pivots, num_warps=warps, **filters)
     return stats, argmax
 
 
@@ -926,14 +941,15 @@ def _stats_spec(dtype: str, key_shift: int, filters: bool, chunks: int = 1) -> d
 
 
 def _stats_finish_spec(dtype: str, key_shift: int, filters: bool, chunks: int) -> dict:
+    warps = FINISH_SEARCH_WARPS if filters else 8
     return dict(
         name=f"row_stats_finish[{dtype}{',top_k+top_p' if filters else ''},chunks={chunks}]",
         kernel=_row_stats_finish_kernel,
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE),
         constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift,
-                        NUM_CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks), BLOCK_S=128, UNROLL_S=PIVOT_UNROLL,
-                        NUM_PIVOTS=NUM_PIVOTS),
-        num_warps=8)
+                        NUM_CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks), BLOCK_S=16 * warps,
+                        UNROLL_S=PIVOT_UNROLL, NUM_PIVOTS=NUM_PIVOTS),
+        num_warps=warps)
 
 
 def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True) -> dict:
@@ -961,7 +977,7 @@ COMPILE_SPECS = [
     _stats_spec("fp16", 13, True), _stats_spec("fp32", 0, False), _stats_spec("fp32", 0, True),
     _stats_spec("bf16", 16, False, chunks=4), _stats_spec("bf16", 16, True, chunks=4),
     _stats_finish_spec("bf16", 16, False, 4), _stats_finish_spec("bf16", 16, True, 16),
-    _stats_finish_spec("fp32", 0, True, 2),
+    _stats_finish_spec("fp32", 0, True, 2), _stats_finish_spec("fp16", 13, True, 8),
     _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False),
     _race_spec("bf16", "fp32", Q_ONE_HOT, 8), _race_spec("bf16", "fp32", Q_PROBS, 1),
     _race_spec("bf16", "bf16", Q_LOGITS, 8), _race_spec("fp32", "fp32", Q_LOGITS, 1),
