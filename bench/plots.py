@@ -68,58 +68,45 @@ def _device_title(rows: list[dict]) -> str:
     return f"{r.get('device_name', '?')}, torch {r.get('torch', '?')}, commit {str(r.get('git_commit', '?'))[:10]}"
 
 
-def latency_vs_batch(rows: list[dict], path: Path) -> bool:
-    ok = [r for r in rows if _ok(r)]
-    ops = [op for op in dict.fromkeys(r["op"] for r in ok) if any("B" in r for r in ok if r["op"] == op)]
+def _panels(ok: list[dict], ops: list[str], axis: str, metric: str, xlabel: str, ylabel: str,
+            xbase: float, suptitle: str, path: Path) -> bool:
+    """One log-log panel per op: ``metric`` against ``axis``, a line per series."""
     if not ops:
         return False
     plt, fig, axes = _figure(len(ops))
     for ax, op in zip(axes, ops):
-        members, title = _slice([r for r in ok if r["op"] == op], "B")
-        for label, pts in _series(members, "B", "median_us").items():
+        members, title = _slice([r for r in ok if r["op"] == op], axis)
+        for label, pts in _series(members, axis, metric).items():
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.set_xscale("log", base=2)
+        ax.set_xscale("log", base=xbase)
         ax.set_yscale("log")
-        ax.set_xlabel("batch B")
-        ax.set_ylabel("median latency (us)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         ax.set_title(f"{op}: {title}", fontsize=8)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     for ax in axes[len(ops):]:
         ax.axis("off")
-    fig.suptitle(f"Latency against batch -- {_device_title(ok)}", fontsize=9)
+    fig.suptitle(f"{suptitle} -- {_device_title(ok)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def latency_vs_batch(rows: list[dict], path: Path) -> bool:
+    ok = [r for r in rows if _ok(r)]
+    ops = [op for op in dict.fromkeys(r["op"] for r in ok) if any("B" in r for r in ok if r["op"] == op)]
+    return _panels(ok, ops, "B", "median_us", "batch B", "median latency (us)", 2,
+                   "Latency against batch", path)
 
 
 def roofline_vs_vocab(rows: list[dict], path: Path) -> bool:
     ok = [r for r in rows if _ok(r) and "V" in r]
     ops = list(dict.fromkeys(r["op"] for r in ok))
-    if not ops:
-        return False
-    plt, fig, axes = _figure(len(ops))
-    copy_bw = ok[0].get("copy_bw_gbps")
-    for ax, op in zip(axes, ops):
-        members, title = _slice([r for r in ok if r["op"] == op], "V")
-        for label, pts in _series(members, "V", "pct_copy_bw").items():
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("vocabulary V")
-        ax.set_ylabel("% of measured copy bandwidth")
-        ax.set_title(f"{op}: {title}", fontsize=8)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-    for ax in axes[len(ops):]:
-        ax.axis("off")
-    fig.suptitle(f"Minimal bytes / time as % of copy bandwidth ({copy_bw} GB/s) -- "
-                 f"{_device_title(ok)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    copy_bw = ok[0].get("copy_bw_gbps") if ok else None
+    return _panels(ok, ops, "V", "pct_copy_bw", "vocabulary V", "% of measured copy bandwidth", 10,
+                   f"Minimal bytes / time as % of copy bandwidth ({copy_bw} GB/s)", path)
 
 
 def write_all(rows: list[dict], out_dir: Path) -> list[Path]:
