@@ -182,13 +182,17 @@ def test_split_row_statistics_equal_one_program_per_row(monkeypatch, dtype):
         torch.testing.assert_close(split[0][:, 2], whole[0][:, 2], rtol=2e-6, atol=0)
 
 
+@pytest.mark.parametrize("candidates", [0, 12, 2048])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_gpu_search_shape_gives_the_same_thresholds(monkeypatch, dtype):
+def test_gpu_search_shape_gives_the_same_thresholds(monkeypatch, dtype, candidates):
     """The top-k/top-p search in the GPU's shape (8 pivots a pass, 4 unrolled blocks of 16
     logits) finds exactly the thresholds of the interpreter's shape (256 pivots, one block):
     the search is exact whatever the number of passes, on random logits (fp32: many distinct
-    keys, so the most passes)."""
+    keys, so the most passes). ``candidates``: the candidate list's size, 0 (every pass reads
+    the row), 12 (passes over the row until the kept set is small, then over the list) or
+    2048 (the list from the start: it holds every row here)."""
     from specdec_kernels.triton import sampling as tsampling
+    monkeypatch.setattr(tsampling, "SEARCH_CANDIDATES", candidates)
     gen = torch.Generator().manual_seed(21)
     batch, vocab = 20, 1000
     logits = _logits((batch, vocab), dtype, gen)

@@ -97,16 +97,45 @@ def _key_value(key, KEY_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi,
-                KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr,
-                NUM_PIVOTS: tl.constexpr):
-    """One pass over the row evaluating NUM_PIVOTS keys spread over ``(lo, hi]`` at once.
+def _row_keys(row_ptr, offs, V, x_max, scale, KEY_SHIFT: tl.constexpr):
+    """(key, exp(z), finite) of the logits at ``offs`` (masked at V).
+    (load_logits and _sort_key inlined: each nested call costs the interpreter a re-patch.)"""
+    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(x == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)) >> KEY_SHIFT
+    finite = x > float("-inf")
+    return key, tl.where(finite, tl.exp2((x - x_max) * scale), 0.0), finite
+
+
+@triton.jit
+def _pivot_accumulate(key, e, live, pivots32, count, mass, min_above, max_below):
+    """Folds a block of live keys into the per-(lane, pivot) accumulators."""
+    ge = key[:, None] >= pivots32
+    above = ge & live[:, None]
+    below = (~ge) & live[:, None]
+    count += above.to(tl.float32)
+    mass += tl.where(above, e[:, None], 0.0)
+    min_above = tl.minimum(min_above, tl.where(above, key[:, None], 2147483647))
+    max_below = tl.maximum(max_below, tl.where(below, key[:, None], -2147483648))
+    return count, mass, min_above, max_below
+
+
+@triton.jit
+def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi, n_cand, cand_key_ptr, cand_e_ptr,
+                below_cand, KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr,
+                UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    """One pass evaluating NUM_PIVOTS keys spread over ``(lo, hi]`` at once.
 
     For each pivot, over the finite tokens with ``key >= floor_key``: the count and the mass
     ``sum(exp(z))`` of those with ``key >= pivot`` (non-increasing in the pivot: the same
     reduction tree adds non-negative terms), the smallest key ``>= pivot`` and the largest key
     ``< pivot``. The last two snap the search interval onto keys that occur in the row, so the
     number of passes follows the number of distinct values rather than the key span.
+
+    The pass reads the row, or, once the row's candidates are compacted (``n_cand >= 0``:
+    every live key ``>= `` some earlier ``lo``, see ``_compact``), only those candidates, with
+    ``below_cand`` the largest live key left out below them.
     """
     steps = tl.arange(0, NUM_PIVOTS).to(tl.int64) + 1
     span = hi - lo
@@ -118,39 +147,73 @@ def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi,
     mass = tl.zeros([BLOCK_S, NUM_PIVOTS], tl.float32)
     min_above = tl.full([BLOCK_S, NUM_PIVOTS], 2147483647, tl.int32)
     max_below = tl.full([BLOCK_S, NUM_PIVOTS], -2147483648, tl.int32)
-    # UNROLL_S independent [BLOCK_S] blocks per iteration: more loads in flight per warp.
-    for start in range(0, V, BLOCK_S * UNROLL_S):
-        for part in tl.static_range(UNROLL_S):
-            offs = start + part * BLOCK_S + tl.arange(0, BLOCK_S)
-            # load_logits and _sort_key inlined (each nested call costs the interpreter a re-patch).
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            x = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))
-            bits = x.to(tl.int32, bitcast=True)
-            key = tl.where(x == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)) >> KEY_SHIFT
-            live = (x > float("-inf")) & (key >= floor_key)
-            e = tl.where(live, tl.exp2((x - x_max) * scale), 0.0)
-            ge = key[:, None] >= pivots32
-            above = ge & live[:, None]
-            below = (~ge) & live[:, None]
-            count += above.to(tl.float32)
-            mass += tl.where(above, e[:, None], 0.0)
-            min_above = tl.minimum(min_above, tl.where(above, key[:, None], 2147483647))
-            max_below = tl.maximum(max_below, tl.where(below, key[:, None], -2147483648))
+    if n_cand < 0:
+        # UNROLL_S independent [BLOCK_S] blocks per iteration: more loads in flight per warp.
+        for start in range(0, V, BLOCK_S * UNROLL_S):
+            for part in tl.static_range(UNROLL_S):
+                offs = start + part * BLOCK_S + tl.arange(0, BLOCK_S)
+                key, e, finite = _row_keys(row_ptr, offs, V, x_max, scale, KEY_SHIFT)
+                count, mass, min_above, max_below = _pivot_accumulate(
+                    key, e, finite & (key >= floor_key), pivots32, count, mass, min_above,
+                    max_below)
+        below_cand = tl.full([], -2147483648, tl.int32)
+    else:
+        for start in range(0, n_cand, BLOCK_S):
+            offs = start + tl.arange(0, BLOCK_S)
+            in_list = offs < n_cand
+            key = tl.load(cand_key_ptr + offs, mask=in_list, other=-2147483648)
+            e = tl.load(cand_e_ptr + offs, mask=in_list, other=0.0)
+            count, mass, min_above, max_below = _pivot_accumulate(
+                key, e, in_list & (key >= floor_key), pivots32, count, mass, min_above,
+                max_below)
     return (pivots, tl.sum(count, axis=0), tl.sum(mass, axis=0), tl.min(min_above, axis=0),
-            tl.max(max_below, axis=0))
+            tl.maximum(tl.max(max_below, axis=0), below_cand))
 
 
 @triton.jit
-def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, BY_MASS: tl.constexpr,
-            KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr,
-            NUM_PIVOTS: tl.constexpr):
+def _compact(row_ptr, V, x_max, scale, floor_key, lo, cand_key_ptr, cand_e_ptr,
+             KEY_SHIFT: tl.constexpr, BLOCK_C: tl.constexpr, CAP: tl.constexpr):
+    """Writes the key and ``exp(z)`` of every live token with ``key >= lo`` to the row's
+    candidate list (at most CAP; the caller knows how many there are) and returns their
+    number and the largest live key below ``lo``. Later passes read only the list."""
+    n = tl.full([], 0, tl.int32)
+    lane_below = tl.full([BLOCK_C], -2147483648, tl.int32)
+    for start in range(0, V, BLOCK_C):
+        offs = start + tl.arange(0, BLOCK_C)
+        key, e, finite = _row_keys(row_ptr, offs, V, x_max, scale, KEY_SHIFT)
+        live = finite & (key >= floor_key)
+        keep = live & (key >= lo)
+        lane_below = tl.maximum(lane_below, tl.where(live & (key < lo), key, -2147483648))
+        position = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(cand_key_ptr + position, key, mask=keep & (position < CAP))
+        tl.store(cand_e_ptr + position, e, mask=keep & (position < CAP))
+        n += tl.sum(keep.to(tl.int32), axis=0)
+    return tl.minimum(n, CAP), tl.max(lane_below, axis=0)
+
+
+@triton.jit
+def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, n_cand, below_cand,
+            cand_key_ptr, cand_e_ptr, BY_MASS: tl.constexpr, KEY_SHIFT: tl.constexpr,
+            BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+            CAP: tl.constexpr):
     """The largest key ``t`` whose kept set ``{key >= t}`` still has count (top-k) or mass
     (top-p) ``>= target``, searched in ``[lo, hi]`` (keys of the row; ``lo`` qualifies and
-    bounds the set from below). Returns ``t`` and the count and mass of its kept set."""
+    bounds the set from below). Returns ``t``, the count and mass of its kept set, and the
+    row's candidate list (``n_cand``, ``below_cand``) for a later search.
+
+    As soon as the kept set of ``lo`` has at most CAP tokens (often at once for top-p after
+    top-k, or after a pass or two for top-k), one more pass over the row copies them to a
+    candidate list and every later pass reads only that list; the answer is the same, since
+    the keys left out are below every pivot still to come."""
     floor_key = lo.to(tl.int32)
     while lo < hi:
+        if (n_cand < 0) & (lo_count <= CAP):
+            n_cand, below_cand = _compact(row_ptr, V, x_max, scale, floor_key, lo.to(tl.int32),
+                                          cand_key_ptr, cand_e_ptr, KEY_SHIFT,
+                                          BLOCK_S * UNROLL_S, CAP)
         pivots, count, mass, min_above, max_below = _pivot_pass(
-            row_ptr, V, x_max, scale, floor_key, lo, hi, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
+            row_ptr, V, x_max, scale, floor_key, lo, hi, n_cand, cand_key_ptr, cand_e_ptr,
+            below_cand, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
         if BY_MASS:
             ok = mass >= target
             exact = ok & (mass < 0.0)  # a mass target is never met exactly on purpose
@@ -167,7 +230,7 @@ def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, BY_MASS
         lo_mass = tl.min(tl.where(ok, mass, lo_mass), axis=0)
         lo = new_lo
         hi = tl.maximum(new_hi, new_lo)
-    return lo, lo_count, lo_mass
+    return lo, lo_count, lo_mass, n_cand, below_cand
 
 
 # ----------------------------------------------------------------------------- row statistics
@@ -244,11 +307,17 @@ def _stream_stats(row_ptr, start_v, end_v, scale, TRACK_RANGE: tl.constexpr,
 
 @triton.jit
 def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
-                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
+                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, cand_key_ptr, cand_e_ptr,
                 USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
-                BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    """Applies top-k then top-p to a row's merged statistics (pivot passes over the row for
-    the requests that use them) and stores ``(x_max, x_thr, norm)`` and the arg-max."""
+                BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+                CAP: tl.constexpr):
+    """Applies top-k then top-p to a row's merged statistics (pivot passes over the row, or
+    over its candidate list, ``CAP`` entries per row at ``cand_*_ptr``, for the requests that
+    use them) and stores ``(x_max, x_thr, norm)`` and the arg-max."""
+    cand_key_ptr += r.to(tl.int64) * CAP
+    cand_e_ptr += r.to(tl.int64) * CAP
+    n_cand = tl.full([], -1, tl.int32)  # no candidate list yet
+    below_cand = tl.full([], -2147483648, tl.int32)
     has_finite = x_max > float("-inf")
     best = tl.where(has_finite, best, 0)  # a row with no finite logit: id 0, never emitted
     # The kept set is {key >= lo}; lo starts at the smallest finite key (everything kept).
@@ -260,17 +329,22 @@ def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greed
         top_k = tl.load(top_k_ptr + req)
         if (~greedy) & (top_k > 0) & (top_k < V) & (num_finite > top_k):
             hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
-            lo, lo_count, lo_mass = _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass,
-                                            top_k.to(tl.float32), False,
-                                            KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
+            lo, lo_count, lo_mass, n_cand, below_cand = _search(
+                row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, top_k.to(tl.float32),
+                n_cand, below_cand, cand_key_ptr, cand_e_ptr, False,
+                KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
             filtered = tl.full([], 1, tl.int1)
     if USE_TOP_P:
         top_p = tl.load(top_p_ptr + req)
         if (~greedy) & (top_p < 1.0) & has_finite:
             hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
-            lo, lo_count, lo_mass = _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass,
-                                            top_p * lo_mass, True,
-                                            KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
+            # A candidate list from top-k holds every key >= its lo <= this floor: keys
+            # below it are not live here, so nothing is left out below the list.
+            below_cand = tl.full([], -2147483648, tl.int32)
+            lo, lo_count, lo_mass, n_cand, below_cand = _search(
+                row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, top_p * lo_mass,
+                n_cand, below_cand, cand_key_ptr, cand_e_ptr, True,
+                KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
             filtered = tl.full([], 1, tl.int1)
     x_thr = tl.where(filtered, _key_value(lo, KEY_SHIFT), float("-inf"))
     tl.store(stats_ptr + r * 3 + 0, x_max)
@@ -282,10 +356,11 @@ def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greed
 @triton.jit
 def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                       temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
-                      part_f_ptr, part_i_ptr, V, chunk_size,
+                      part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V, chunk_size,
                       USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
                       NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
-                      BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                      BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+                      CAP: tl.constexpr):
     """Per-row statistics of the processed distribution; grid (rows, NUM_CHUNKS), program
     (r, c) streams tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of row r.
 
@@ -311,8 +386,8 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         row_ptr, start_v, end_v, scale, USE_TOP_K or USE_TOP_P, BLOCK, R)
     if NUM_CHUNKS == 1:
         _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
-                    top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
-                    USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
+                    top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, cand_key_ptr, cand_e_ptr,
+                    USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
     else:
         part = r * NUM_CHUNKS + chunk
         tl.store(part_f_ptr + part * 3 + 0, x_max)
@@ -325,11 +400,12 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
 @triton.jit
 def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                              temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
-                             part_f_ptr, part_i_ptr, V,
+                             part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V,
                              USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
                              KEY_SHIFT: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                              CHUNKS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-                             UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                             UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+                             CAP: tl.constexpr):
     """Merges the NUM_CHUNKS partial statistics of one row (grid rows), then finishes it as
     ``_row_stats_kernel`` does. Bytes: reads 20 B per chunk (plus the pivot passes of rows
     whose filters are active), writes 16 B."""
@@ -349,8 +425,8 @@ def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         tl.load(part_f_ptr + part * 3 + 2, mask=valid, other=float("inf")),
         tl.load(part_i_ptr + part * 2 + 1, mask=valid, other=0), scale)
     _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
-                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
-                USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
+                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, cand_key_ptr, cand_e_ptr,
+                USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
 
 
 # ----------------------------------------------------------------------------- the race
@@ -725,8 +801,9 @@ def block_size(vocab: int, device: torch.device, cap_gpu: int = 2048, cap_cpu: i
 
 
 # Blocks of BLOCK_S logits per iteration of a pivot pass on a GPU: independent loads in flight.
-# (8 pivots x 8 blocks compiles without spills on sm_80/sm_90; 16 pivots spill from 4 blocks.)
-PIVOT_UNROLL = 8
+# (8 pivots x 4 blocks compiles without spills on sm_80/sm_90 with the candidate-list pass
+# beside it; 8 blocks, or 2, spill; 16 pivots spill from 4 blocks.)
+PIVOT_UNROLL = 4
 
 # Tests set this to run the GPU's search configuration (BLOCK_S, UNROLL_S, NUM_PIVOTS) on CPU.
 SEARCH_CONFIG_OVERRIDE: tuple[int, int, int] | None = None
@@ -745,6 +822,11 @@ def _search_config(vocab: int, device: torch.device,
     block_s = max(16, min(next_pow2(vocab), 16 * warps))
     return block_s, min(PIVOT_UNROLL, next_pow2(cdiv(vocab, block_s))), NUM_PIVOTS
 
+
+# Candidate list of a filtered row (key and exp(z) per entry, 8 B): once the kept set of the
+# search's lower bound has at most this many tokens, the remaining pivot passes read only the
+# list instead of the row (see _search). Tests shrink it to exercise both paths.
+SEARCH_CANDIDATES = 2048
 
 # Warps of the finish kernel when it searches (filters compiled in): it runs when rows are
 # few, one program per row, so each program streams twice the statistics kernel's 1024
@@ -802,22 +884,28 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
         part_f, part_i = scratch(device, torch.float32), scratch(device, torch.int32)
     use_top_k = bool(params.uses_top_k) and not params.all_greedy
     use_top_p = bool(params.uses_top_p) and not params.all_greedy
+    cap = SEARCH_CANDIDATES if (use_top_k or use_top_p) else 0
+    if cap > 0:
+        cand_key = torch.empty((rows, cap), dtype=torch.int32, device=device)
+        cand_e = torch.empty((rows, cap), dtype=torch.float32, device=device)
+    else:
+        cand_key, cand_e = scratch(device, torch.int32), scratch(device, torch.float32)
     filters = dict(USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, KEY_SHIFT=_KEY_SHIFT[logits.dtype],
-                   NUM_CHUNKS=num_chunks)
+                   NUM_CHUNKS=num_chunks, CAP=cap)
     args = (logits, stride_req, stride_row, rows_per_req, params.temperature, params.top_k,
-            params.top_p, stats, argmax, part_f, part_i, vocab)
-    warps = 1 if interpreted(device) else 8
-    block_s, unroll_s, num_pivots = _search_config(vocab, device, warps)
+            params.top_p, stats, argmax, part_f, part_i, cand_key, cand_e, vocab)
+    options = dict(num_warps=1 if interpreted(device) else 8)
+    block_s, unroll_s, num_pivots = _search_config(vocab, device, options["num_warps"])
     _row_stats_kernel[(rows, num_chunks)](
         *args, chunk, BLOCK=block, R=STATS_R, BLOCK_S=block_s, UNROLL_S=unroll_s,
-        NUM_PIVOTS=num_pivots, num_warps=warps, **filters)
+        NUM_PIVOTS=num_pivots, **options, **filters)
     if num_chunks > 1:
-        if not interpreted(device) and (use_top_k or use_top_p):
-            warps = FINISH_SEARCH_WARPS
-        block_s, unroll_s, num_pivots = _search_config(vocab, device, warps)
+        if cap > 0 and not interpreted(device):
+            options = dict(num_warps=FINISH_SEARCH_WARPS)
+        block_s, unroll_s, num_pivots = _search_config(vocab, device, options["num_warps"])
         _row_stats_finish_kernel[(rows,)](
             *args, CHUNKS_P2=next_pow2(num_chunks), BLOCK_S=block_s, UNROLL_S=unroll_s,
-            NUM_PIVOTS=num_pivots, num_warps=warps, **filters)
+            NUM_PIVOTS=num_pivots, **options, **filters)
     return stats, argmax
 
 
@@ -925,7 +1013,7 @@ def sample(logits: torch.Tensor, params, seeds: torch.Tensor, offsets: torch.Ten
 _STATS_SIGNATURE = dict(
     stride_req="i32", stride_row="i32", rows_per_req="i32", temperature_ptr="*fp32",
     top_k_ptr="*i32", top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32",
-    part_f_ptr="*fp32", part_i_ptr="*i32", V="i32")
+    part_f_ptr="*fp32", part_i_ptr="*i32", cand_key_ptr="*i32", cand_e_ptr="*fp32", V="i32")
 
 
 def _stats_spec(dtype: str, key_shift: int, filters: bool, chunks: int = 1) -> dict:
@@ -936,7 +1024,7 @@ def _stats_spec(dtype: str, key_shift: int, filters: bool, chunks: int = 1) -> d
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE, chunk_size="i32"),
         constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift,
                         NUM_CHUNKS=chunks, BLOCK=STATS_BLOCK, R=STATS_R, BLOCK_S=128, UNROLL_S=PIVOT_UNROLL,
-                        NUM_PIVOTS=NUM_PIVOTS),
+                        NUM_PIVOTS=NUM_PIVOTS, CAP=SEARCH_CANDIDATES if filters else 0),
         num_warps=8)
 
 
@@ -948,7 +1036,8 @@ def _stats_finish_spec(dtype: str, key_shift: int, filters: bool, chunks: int) -
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE),
         constexprs=dict(USE_TOP_K=filters, USE_TOP_P=filters, KEY_SHIFT=key_shift,
                         NUM_CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks), BLOCK_S=16 * warps,
-                        UNROLL_S=PIVOT_UNROLL, NUM_PIVOTS=NUM_PIVOTS),
+                        UNROLL_S=PIVOT_UNROLL, NUM_PIVOTS=NUM_PIVOTS,
+                        CAP=SEARCH_CANDIDATES if filters else 0),
         num_warps=warps)
 
 
