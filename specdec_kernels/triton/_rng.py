@@ -23,14 +23,6 @@ PURPOSE_SAMPLE = tl.constexpr(_rng.PURPOSE_SAMPLE)
 
 
 @triton.jit
-def split_u64(value):
-    """int64 tensor -> (low, high) uint32 words (two's complement, as ``_rng.py``)."""
-    lo = (value & 0xFFFFFFFF).to(tl.uint32)
-    hi = ((value >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    return lo, hi
-
-
-@triton.jit
 def philox(c0, c1, c2, c3, k0, k1):
     """The four words of Philox-4x32-10; every argument uint32 (scalars broadcast against ``c0``)."""
     m0 = tl.full([], PHILOX_M0, tl.uint32)
@@ -75,12 +67,18 @@ def _exponential(word):
 
 
 @triton.jit
+def _random_word(seed, offset, position, purpose: tl.constexpr, index):
+    """Word ``index % 4`` of counter ``index // 4`` (``index`` an int scalar or tensor)."""
+    index = (index.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
+    w0, w1, w2, w3 = _keyed_philox(seed, offset, position, purpose, index >> 2)
+    return _select_word(w0, w1, w2, w3, index & 3)
+
+
+@triton.jit
 def uniform(seed, offset, position, purpose: tl.constexpr, index):
     """float32 in [0, 1), an exact multiple of 2**-24: ``(word >> 8) * 2**-24`` of word
     ``index % 4`` of counter ``index // 4`` (``index`` an int scalar or tensor)."""
-    index = (index.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
-    w0, w1, w2, w3 = _keyed_philox(seed, offset, position, purpose, index >> 2)
-    word = _select_word(w0, w1, w2, w3, index & 3)
+    word = _random_word(seed, offset, position, purpose, index)
     return (word >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
@@ -106,12 +104,8 @@ def _uniform_test_kernel(seed_ptr, offset_ptr, position_ptr, index_ptr, word_ptr
     offset = tl.load(offset_ptr + i, mask=mask, other=0)
     position = tl.load(position_ptr + i, mask=mask, other=0)
     index = tl.load(index_ptr + i, mask=mask, other=0)
-    k0, k1 = split_u64(seed)
-    c2, c3 = split_u64(offset)
-    c1 = ((position & 0xFFFF) | (PURPOSE << 16)).to(tl.uint32)
-    index32 = (index & 0xFFFFFFFF).to(tl.uint32)
-    w0, w1, w2, w3 = philox(index32 >> 2, c1, c2, c3, k0, k1)
-    word = _select_word(w0, w1, w2, w3, index32 & 3)
+    # The kernels' own keying (_random_word), here with a key and counter per element.
+    word = _random_word(seed, offset, position, PURPOSE, index)
     u = (word >> 8).to(tl.float32) * 5.9604644775390625e-08
     tl.store(word_ptr + i, word.to(tl.int64), mask=mask)
     tl.store(u_ptr + i, u, mask=mask)
