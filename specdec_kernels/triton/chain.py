@@ -12,6 +12,8 @@ Launches, all asynchronous (no host synchronisation, CUDA-graph capturable with 
    token; writes the accepted drafts, the token, ``-1`` padding and ``num_accepted``. When V is
    split, ``_race_reduce_kernel`` picks the token from the chunks' winners.
 
+No kernel of its own: both are in ``sampling.py`` (their ``COMPILE_SPECS`` cover the chain).
+
 Memory: the stats are ``[B*(K+1), 3]`` float32 + ``[B*(K+1)]`` int32 (and the same for draft
 rows); the race partials ``[B, chunks, 6]``. Nothing grows with ``B*K*V``.
 """
@@ -66,8 +68,3 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
          q=q, q_mode=q_mode, q_strides=q_strides, q_stats=q_stats, draft_ids=draft_ids,
          num_draft=num_draft, num_accepted=num_accepted, num_drafts=num_drafts)
     return out, num_accepted
-
-
-# Compiled for sm_80/sm_90 by bench/resources.py and python_tests/test_triton_compile.py: the
-# chain's kernels are the statistics and the race of sampling.py (the race replays acceptance).
-COMPILE_SPECS: list = []
