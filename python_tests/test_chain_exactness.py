@@ -24,6 +24,7 @@ import torch
 from scipy import stats
 
 import specdec_kernels as sk
+from specdec_kernels import _rng
 from specdec_kernels.reference import chain as ref_chain
 from specdec_kernels.reference import sampling as ref_sampling
 
@@ -281,3 +282,38 @@ def test_sample_follows_processed_probs(params):
     p = sk.processed_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     pvalue, power = _chi_square(torch.bincount(tokens.long(), minlength=vocab), p)
     assert power >= 0.99 and pvalue > ALPHA
+
+
+def _two_level_draws(monkeypatch, weights: torch.Tensor, draws: int) -> torch.Tensor:
+    """``draws`` samples of ``weights`` by the reference race with groups of 4 tokens, one seed
+    per draw."""
+    monkeypatch.setattr(_rng, "RACE_GROUP", 4)
+    seeds = torch.arange(draws, dtype=torch.int64)
+    tokens = ref_sampling.race(weights.expand(draws, -1), seeds, torch.full_like(seeds, 11), 2,
+                               _rng.PURPOSE_RESAMPLE)
+    return torch.bincount(tokens.long(), minlength=weights.shape[-1])
+
+
+# Groups of 4 over V = 10: {0..3} (one zero weight), {4..7} (all zero), {8, 9} (partial).
+TWO_LEVEL_WEIGHTS = torch.tensor([0.5, 0.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0, 0.25])
+
+
+def test_two_level_race_is_exact(monkeypatch):
+    """The race draws a group by its mass, then a token of it by its weight: the token law is
+    ``weights / sum(weights)`` (chi-square at false-alarm rate ALPHA; power printed and
+    required against TV >= TV_MIN), zero weights and empty groups are never drawn."""
+    counts = _two_level_draws(monkeypatch, TWO_LEVEL_WEIGHTS, 60_000)
+    pvalue, power = _chi_square(counts, TWO_LEVEL_WEIGHTS / TWO_LEVEL_WEIGHTS.sum())
+    print(f"two-level race: p-value={pvalue:.3g} power(TV>={TV_MIN})={power:.4f}")
+    assert power >= 0.99 and pvalue > ALPHA
+    assert int(counts[TWO_LEVEL_WEIGHTS == 0].sum()) == 0
+
+
+def test_two_level_race_catches_planted_bug(monkeypatch):
+    """The same test fails when the first level ignores the groups' masses (a group drawn
+    uniformly among those with any weight)."""
+    monkeypatch.setattr(ref_sampling, "_group_masses", lambda groups: (groups > 0).any(-1).double())
+    counts = _two_level_draws(monkeypatch, TWO_LEVEL_WEIGHTS, 60_000)
+    pvalue, power = _chi_square(counts, TWO_LEVEL_WEIGHTS / TWO_LEVEL_WEIGHTS.sum())
+    assert power >= 0.99
+    assert pvalue < ALPHA, "the chi-square test missed a group race that ignores the masses"

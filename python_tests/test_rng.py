@@ -78,3 +78,21 @@ def test_four_tokens_per_philox():
     noise = _rng.token_exponential(seed, offset, 9, _rng.PURPOSE_SAMPLE, 37)
     assert torch.equal(noise, _rng.exponential(seed, offset, 9, _rng.PURPOSE_SAMPLE,
                                                torch.arange(37)))
+
+
+def test_group_noise_has_its_own_indices():
+    """The two-level race's group ``g`` takes the noise of index ``GROUP_INDEX_BASE + g``:
+    above every token id (V < 2**31), four groups per Philox like tokens."""
+    seed, offset = torch.tensor([[5], [-(2 ** 62)]]), torch.tensor([[0], [2 ** 40 + 1]])
+    groups = _rng.token_exponential(seed, offset, 3, _rng.PURPOSE_RESAMPLE, 9,
+                                    start=_rng.GROUP_INDEX_BASE)
+    assert torch.equal(groups, _rng.exponential(seed, offset, 3, _rng.PURPOSE_RESAMPLE,
+                                                _rng.GROUP_INDEX_BASE + torch.arange(9)))
+    assert _rng.GROUP_INDEX_BASE >= 2 ** 31 and _rng.GROUP_INDEX_BASE + 2 ** 20 < 2 ** 32
+    assert _rng.RACE_GROUP % 4 == 0 and _rng.RACE_GROUP & (_rng.RACE_GROUP - 1) == 0
+    # A group's tokens start at a multiple of 4: ``start`` picks the same words as index i.
+    tokens = _rng.token_words(seed, offset, 3, _rng.PURPOSE_RESAMPLE, 8, start=torch.tensor([[4], [12]]))
+    assert torch.equal(tokens[0], _rng.random_words(seed[0], offset[0], 3, _rng.PURPOSE_RESAMPLE,
+                                                    4 + torch.arange(8)))
+    assert torch.equal(tokens[1], _rng.random_words(seed[1], offset[1], 3, _rng.PURPOSE_RESAMPLE,
+                                                    12 + torch.arange(8)))

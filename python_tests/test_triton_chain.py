@@ -148,12 +148,14 @@ def test_edge_cases(mode):
 
 
 def test_split_vocabulary_race(monkeypatch):
+    from specdec_kernels import _rng
     from specdec_kernels.triton import sampling as tsampling
     gen = torch.Generator().manual_seed(4)
     batch, num_drafts, vocab = 12, 3, 600
     results = []
     params = mixed_params(batch, vocab, gen)
     target, drafts, kwargs = _problem(batch, num_drafts, vocab, torch.bfloat16, "draft_logits", gen, params)
+    monkeypatch.setattr(_rng, "RACE_GROUP", 32)  # 19 groups, 2 per chunk of 64
     for override in (None, 64):  # 64: the race and the row statistics split over programs
         monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", override)
         monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", override)
@@ -162,6 +164,24 @@ def test_split_vocabulary_race(monkeypatch):
         results.append(tokens)
         assert same.all()
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunk", [None, 96])
+def test_multi_group_race(monkeypatch, mode, chunk):
+    """Groups of 16 tokens over V = 203 (13 groups, the last one partial), in one program per
+    request or split over chunks of 6 groups: both levels of the race equal the reference."""
+    from specdec_kernels import _rng
+    from specdec_kernels.triton import sampling as tsampling
+    monkeypatch.setattr(_rng, "RACE_GROUP", 16)
+    monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", chunk)
+    gen = torch.Generator().manual_seed(11)
+    batch, num_drafts, vocab = 20, 3, 203
+    params = mixed_params(batch, vocab, gen)
+    target, drafts, kwargs = _problem(batch, num_drafts, vocab, torch.float32, mode, gen, params)
+    *_, same = _run(target, drafts, kwargs, params, None, torch.arange(batch) + 3,
+                    torch.full((batch,), 5))
+    assert same.all()
 
 
 def test_large_vocabulary():

@@ -56,8 +56,10 @@ def resources(tmp_path_factory):
 def test_registry_covers_the_chain_kernels():
     names = _registered()
     # (acceptance runs inside the race kernel: no accept kernel of its own)
-    for kernel in ("row_stats[", "row_stats_finish[", "race[", "race_reduce"):
+    for kernel in ("row_stats[", "row_stats_finish[", "race["):
         assert any(name.startswith(kernel) for name in names), kernel
+    for stage in (",groups]", ",tokens]"):  # the race split over chunks, and its second level
+        assert any(name.startswith("race[") and name.endswith(stage) for name in names), stage
     assert len(names) == len(set(names)), "spec names must be unique"
 
 

@@ -126,8 +126,10 @@ def test_sample_matches_reference_token_for_token(dtype):
 
 def test_sample_split_vocabulary_race(monkeypatch):
     """The split-V race (several programs per request + deterministic reduction) gives the
-    same tokens as one program per request."""
+    same tokens as one program per request, and as the reference."""
+    from specdec_kernels import _rng
     from specdec_kernels.triton import sampling as tsampling
+    monkeypatch.setattr(_rng, "RACE_GROUP", 64)  # 16 groups, 2 per chunk of 128
     gen = torch.Generator().manual_seed(5)
     batch, vocab = 12, 1000
     logits = _logits((batch, vocab), torch.bfloat16, gen)
@@ -140,6 +142,9 @@ def test_sample_split_vocabulary_race(monkeypatch):
     assert tsampling.race_chunks(batch, vocab, logits.device)[1] > 1
     split = sk.sample(logits, seed=seeds, offset=offsets, backend="triton", **params)
     assert torch.equal(whole, split)
+    assert torch.equal(split.cpu(), sk.sample(logits.cpu(), seed=seeds.cpu(), offset=offsets.cpu(),
+                                              backend="reference",
+                                              **{k: v.cpu() for k, v in params.items()}))
     assert split[3] == -1
 
 

@@ -102,6 +102,18 @@ def test_triton_small_vocab_duplicates_and_padding(mode):
     _compare(16, 12, 5, mode, torch.float32, seed=7, temperature=1.0)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_multi_group_race(monkeypatch, mode):
+    """Groups of 8 tokens over V = 61 (8 groups, the last partial): the walk's two-level race
+    equals the reference, and a chain-shaped tree still equals the chain (below)."""
+    from specdec_kernels import _rng
+    monkeypatch.setattr(_rng, "RACE_GROUP", 8)
+    _compare(12, 10, 61, mode, torch.float32, seed=3 + MODES.index(mode),
+             **{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                for k, v in SAMPLING["mixed"].items()})
+    test_triton_chain_shaped_tree_equals_triton_chain()
+
+
 def test_triton_greedy_and_draft_dtype():
     _compare(8, 9, 33, "iid", torch.bfloat16, seed=5, q_dtype=torch.bfloat16, temperature=0.0)
     _compare(8, 9, 33, "without_replacement", torch.float16, seed=6, q_dtype=torch.float16,

@@ -7,10 +7,18 @@ Every random number is one 32-bit word of Philox-4x32-10 (Salmon et al., SC'11) 
     word    = index % 4                               of the four output words
 
 where ``index`` is the vocabulary index for per-token noise (0 for a per-draft uniform, so
-word 0 of counter 0), ``position`` the node or row it belongs to (< 2**16) and ``purpose`` one
-of the streams below. One Philox evaluation serves four consecutive tokens, so the race's
-noise costs a quarter of a Philox per token. Nothing depends on the request's row in the
-batch, the batch size, the backend or the device.
+word 0 of counter 0), ``GROUP_INDEX_BASE + g`` for the noise of token group ``g`` (see
+below), ``position`` the node or row it belongs to (< 2**16) and ``purpose`` one of the
+streams below. One Philox evaluation serves four consecutive indices, so noise costs a
+quarter of a Philox per token. Nothing depends on the request's row in the batch, the batch
+size, the backend or the device.
+
+The sampling race is two-level. Tokens fall into groups of ``RACE_GROUP`` consecutive ids;
+the group is drawn first, by an exponential race over the groups' masses (group noise at
+indices ``GROUP_INDEX_BASE + g``), then the token, by an exponential race over the weights
+of that group's tokens (token noise at their ids). Both races are exact, so the token has
+probability ``mass(g) / total * weight(i) / mass(g) = weight(i) / total``; a kernel then
+evaluates Philox for one group per request instead of every token of the row.
 
 Positions:
   * ACCEPT: the draft being tested -- chain draft ``j`` (1-based, as in the contract) or tree
@@ -32,6 +40,11 @@ PURPOSE_RESAMPLE = 1
 PURPOSE_SAMPLE = 2
 
 MAX_POSITION = 1 << 16
+
+# Tokens per group of the two-level race (a power of two, a multiple of 4), and the first
+# index of the group noise: indices below it are token ids (V < 2**31), above it groups.
+RACE_GROUP = 2048
+GROUP_INDEX_BASE = 1 << 31
 
 PHILOX_M0 = 0xD2511F53
 PHILOX_M1 = 0xCD9E8D57
@@ -85,13 +98,15 @@ def random_words(seed: torch.Tensor, offset: torch.Tensor, position, purpose: in
     return torch.where(lane == 0, w0, torch.where(lane == 1, w1, torch.where(lane == 2, w2, w3)))
 
 
-def token_words(seed, offset, position, purpose: int, vocab_size: int) -> torch.Tensor:
-    """``random_words`` for indices ``0 .. vocab_size - 1`` along a new last dimension, with
-    one Philox per four tokens (the layout the kernels use)."""
+def token_words(seed, offset, position, purpose: int, count: int, start=0) -> torch.Tensor:
+    """``random_words`` for indices ``start .. start + count - 1`` along a new last dimension
+    (the other arguments broadcast against it, as ``[B, 1]`` for one row per request), with
+    one Philox per four indices (the layout the kernels use). ``start`` is a multiple of 4."""
     seed = torch.as_tensor(seed, dtype=torch.int64)
-    counters = torch.arange((vocab_size + 3) // 4, device=seed.device)
+    start = torch.as_tensor(start, dtype=torch.int64, device=seed.device)
+    counters = start // 4 + torch.arange((count + 3) // 4, device=seed.device)
     words = torch.stack(_counter_words(seed, offset, position, purpose, counters), -1)
-    return words.flatten(-2)[..., :vocab_size]
+    return words.flatten(-2)[..., :count]
 
 
 def _to_uniform(word: torch.Tensor) -> torch.Tensor:
@@ -108,6 +123,6 @@ def exponential(seed, offset, position, purpose: int, index=0) -> torch.Tensor:
     return -torch.log(1.0 - uniform(seed, offset, position, purpose, index))
 
 
-def token_exponential(seed, offset, position, purpose: int, vocab_size: int) -> torch.Tensor:
-    """``exponential`` for indices ``0 .. vocab_size - 1`` along a new last dimension."""
-    return -torch.log(1.0 - _to_uniform(token_words(seed, offset, position, purpose, vocab_size)))
+def token_exponential(seed, offset, position, purpose: int, count: int, start=0) -> torch.Tensor:
+    """``exponential`` for indices ``start .. start + count - 1`` along a new last dimension."""
+    return -torch.log(1.0 - _to_uniform(token_words(seed, offset, position, purpose, count, start)))

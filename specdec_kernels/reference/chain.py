@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from .. import _rng
-from .sampling import processed_probs, race, race_noise
+from .sampling import processed_probs, race
 
 
 def chain_outcome(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tensor,
@@ -72,8 +72,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     drafts = torch.where(valid, ids, 0)
     u = _rng.uniform(seed[:, None], offset[:, None], position + 1, _rng.PURPOSE_ACCEPT)
     num_accepted, weights = chain_outcome(p, q, drafts, valid, temperature == 0, u)
-    noise = race_noise(seed, offset, num_accepted, _rng.PURPOSE_RESAMPLE, vocab)
-    final_token = race(weights, noise)
+    final_token = race(weights, seed, offset, num_accepted, _rng.PURPOSE_RESAMPLE)
 
     out = torch.full((batch, rows), -1, dtype=torch.int32, device=device)
     out[:, :num_drafts] = torch.where(position < num_accepted[:, None], drafts, -1).to(torch.int32)

@@ -54,26 +54,45 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return torch.where(has_finite, probs, 0.0)
 
 
-def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """One sample per row of the unnormalised ``weights`` by the exponential race:
-    ``argmax_i weights_i / noise_i`` over ``weights_i > 0`` with ``noise`` ~ Exp(1) i.i.d.
-    Returns int32 ``[...]``; ``-1`` where no weight is positive (NaN never is)."""
-    score = torch.where(weights > 0, weights / noise, -1.0)
-    token = score.argmax(-1)
-    return torch.where(weights.amax(-1) > 0, token, -1).to(torch.int32)
+def _race_scores(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: ``argmax_i weights_i / noise_i`` over ``weights_i > 0`` (first
+    index among ties), along the last dimension."""
+    return torch.where(weights > 0, weights / noise, -1.0).argmax(-1)
 
 
-def race_noise(seed: torch.Tensor, offset: torch.Tensor, position, purpose: int,
-               vocab_size: int) -> torch.Tensor:
-    """``[B, V]`` Exp(1) noise for one row per request (``position`` is ``[B]`` or a scalar)."""
+def _group_masses(groups: torch.Tensor) -> torch.Tensor:
+    """The first level's weights: each group's total weight (``[B, G, width]`` -> ``[B, G]``)."""
+    return groups.sum(-1)
+
+
+def race(weights: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, position,
+         purpose: int) -> torch.Tensor:
+    """One sample per row of the unnormalised ``weights`` ``[B, V]``, with the two-level
+    exponential race of ``_rng`` (noise keyed by ``seed``/``offset`` ``[B]``, ``position``
+    ``[B]`` or a scalar, and ``purpose``): a group of ``RACE_GROUP`` tokens by the race over
+    the groups' masses, then a token of that group by the race over its weights.
+    Returns int32 ``[B]``; ``-1`` where no weight is positive or one is NaN."""
+    batch, vocab = weights.shape
+    group = _rng.RACE_GROUP
+    num_groups = -(-vocab // group)
+    seed, offset = seed[:, None], offset[:, None]
     position = torch.as_tensor(position, device=seed.device)
-    if position.dim() == 1:
-        position = position[:, None]
-    return _rng.token_exponential(seed[:, None], offset[:, None], position, purpose, vocab_size)
+    position = position[:, None] if position.dim() == 1 else position
+    width = group if num_groups > 1 else vocab  # (one group: no padding, no noise past V)
+    groups = torch.nn.functional.pad(weights, (0, num_groups * width - vocab)).view(
+        batch, num_groups, width)
+    group_noise = _rng.token_exponential(seed, offset, position, purpose, num_groups,
+                                         start=_rng.GROUP_INDEX_BASE)
+    winner = _race_scores(_group_masses(groups), group_noise)
+    members = groups.gather(1, winner[:, None, None].expand(batch, 1, width))[:, 0]
+    first = winner * group
+    token_noise = _rng.token_exponential(seed, offset, position, purpose, width,
+                                         start=first[:, None])
+    token = first + _race_scores(members, token_noise)
+    return torch.where(weights.amax(-1) > 0, token, -1).to(torch.int32)
 
 
 def sample(logits: torch.Tensor, temperature, top_k, top_p, seed, offset) -> torch.Tensor:
     """int32 ``[B]``: one token per row of ``logits`` ``[B, V]`` (``-1`` for a row with no finite logit)."""
     probs = processed_probs(logits, temperature, top_k, top_p)
-    noise = race_noise(seed, offset, 0, _rng.PURPOSE_SAMPLE, logits.shape[-1])
-    return race(probs, noise)
+    return race(probs, seed, offset, 0, _rng.PURPOSE_SAMPLE)

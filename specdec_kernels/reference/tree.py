@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _rng
-from .sampling import processed_probs, race, race_noise
+from .sampling import processed_probs, race
 
 DRAFT_SAMPLING = ("iid", "without_replacement")
 
@@ -202,6 +202,5 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
                      temperature == 0, u)
     # RESAMPLE position = the node whose row the final token is drawn from.
     current = walk.accepted_nodes.gather(1, walk.num_accepted[:, None])[:, 0]
-    noise = race_noise(seed, offset, current, _rng.PURPOSE_RESAMPLE, vocab)
-    final_token = race(walk.final_weights, noise)
+    final_token = race(walk.final_weights, seed, offset, current, _rng.PURPOSE_RESAMPLE)
     return assemble(tree_token_ids, walk.accepted_nodes, walk.num_accepted, final_token)

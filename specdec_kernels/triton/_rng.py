@@ -20,6 +20,7 @@ PHILOX_W1 = tl.constexpr(_rng.PHILOX_W1)
 PURPOSE_ACCEPT = tl.constexpr(_rng.PURPOSE_ACCEPT)
 PURPOSE_RESAMPLE = tl.constexpr(_rng.PURPOSE_RESAMPLE)
 PURPOSE_SAMPLE = tl.constexpr(_rng.PURPOSE_SAMPLE)
+GROUP_INDEX_BASE = tl.constexpr(_rng.GROUP_INDEX_BASE)
 
 
 @triton.jit
@@ -91,6 +92,14 @@ def token_noise(seed, offset, position, purpose: tl.constexpr, quad, QUADS: tl.c
     lane = tl.arange(0, 4)[None, :]
     word = _select_word(w0[:, None], w1[:, None], w2[:, None], w3[:, None], lane)
     return _exponential(word)
+
+
+@triton.jit
+def group_noise(seed, offset, position, purpose: tl.constexpr, group):
+    """Exp(1) noise of token group ``group`` (an int scalar) in the two-level race: the
+    noise of index ``GROUP_INDEX_BASE + group``."""
+    index = group.to(tl.int64) + GROUP_INDEX_BASE
+    return _exponential(_random_word(seed, offset, position, purpose, index))
 
 
 @triton.jit

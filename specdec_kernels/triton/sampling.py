@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .._params import scratch
+from .. import _rng
 from .._rng import PURPOSE_RESAMPLE, PURPOSE_SAMPLE
 from . import _rng as trng
 from ._launch import cdiv, interpreted, next_pow2, num_sms
@@ -460,101 +461,122 @@ def _race_prob(x, x_base, x_thr, inv_norm, scale):
 
 
 @triton.jit
-def _race_step(row_ptr, q_ptr, offs, end_v, noise, x_base, x_thr, inv_norm, scale,
-               q_base, q_thr, q_inv_norm, draft_token,
-               lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan,
-               MASKED: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
-    """One [QUADS, 4] tile of ``_race_chunk``. Scores divide with the fast ``/`` (within 2 ulp):
-    a winner can change only between scores that close, which the tests bound."""
-    if MASKED:
-        mask = offs < end_v
-        x = load_logits(row_ptr, offs, mask)
-    else:
-        mask = None
-        x = load_logits(row_ptr, offs, None)
+def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
+                  q_base, q_thr, q_inv_norm, draft_token,
+                  Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The race's weights at tokens ``offs`` (``mask`` None for a full tile): ``(p, w, nan)``
+    with ``w`` the residual ``max(p - q, 0)`` and ``nan`` where ``p - q`` is NaN when
+    RESIDUAL, else ``w = p`` (never NaN). Masked-off tokens weigh 0."""
+    x = load_logits(row_ptr, offs, mask)
     p = _race_prob(x, x_base, x_thr, inv_norm, scale)
-    score = tl.where(p > 0, p / noise, -1.0)
-    take = score > lane_p
-    lane_p = tl.where(take, score, lane_p)
-    lane_idx_p = tl.where(take, offs, lane_idx_p)
     if RESIDUAL:
         if Q_MODE == 1:
             q = tl.where(offs == draft_token, 1.0, 0.0)
         elif Q_MODE == 2:
-            if MASKED:
-                q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            else:
+            if mask is None:
                 q = tl.load(q_ptr + offs).to(tl.float32)
+            else:
+                q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             q = _race_prob(load_logits(q_ptr, offs, mask), q_base, q_thr, q_inv_norm, scale)
         diff = p - q
-        lane_nan = tl.maximum(lane_nan, (diff != diff).to(tl.int32))
-        residual = tl.where(diff > 0, diff, 0.0)
-        lane_mass = tl.maximum(lane_mass, (residual > 0).to(tl.int32))
-        score_r = tl.where(residual > 0, residual / noise, -1.0)
-        take_r = score_r > lane_r
-        lane_r = tl.where(take_r, score_r, lane_r)
-        lane_idx_r = tl.where(take_r, offs, lane_idx_r)
-    return lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan
+        return p, tl.where(diff > 0, diff, 0.0), diff != diff
+    return p, p, p != p  # never NaN
 
 
 @triton.jit
-def _race_chunk(row_ptr, q_ptr, start_v, end_v, x_max, x_thr, norm, scale,
-                q_max, q_thr, q_norm, draft_token,
-                seed, offset, position, PURPOSE: tl.constexpr,
-                Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """Exponential race over tokens [start_v, end_v) of one row (``start_v`` a multiple of 4):
-    the best ``p_i / E_i`` and, when RESIDUAL, the best ``max(p_i - q_i, 0) / E_i`` with
-    whether that residual has mass or a NaN. ``E_i`` is the Philox Exp(1) noise of token i,
-    four tokens per Philox: the loop works on ``[BLOCK // 4, 4]`` tiles, each thread owning
-    whole rows of four. Full tiles load without a mask (vector loads); only the last is masked.
-    """
+def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
+                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position,
+                 PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """First level of the race (``_rng``: two-level race) over the token groups in
+    ``[start_v, end_v)`` (``start_v`` a multiple of GROUP): each group's mass of p and, when
+    RESIDUAL, of the residual, divided by the group's Exp(1) noise. Returns
+    ``(best_p, group_p, best_r, group_r, has_nan)``: the best scores (-1: no positive mass)
+    and their groups (the lowest among equal scores), and whether the residual had a NaN.
+
+    One streaming pass with no Philox per token: per-lane sums over the group's tiles (full
+    tiles unmasked), one reduction and one Philox per group."""
+    best_p = tl.full([], -1.0, tl.float32)
+    group_p = tl.full([], 2147483647, tl.int32)
+    best_r = tl.full([], -1.0, tl.float32)
+    group_r = tl.full([], 2147483647, tl.int32)
+    has_nan = tl.full([], 0, tl.int32)
+    for group_start in range(start_v, end_v, GROUP):
+        group_end = tl.minimum(group_start + GROUP, end_v)
+        lane_p = tl.zeros([BLOCK], tl.float32)
+        lane_r = tl.zeros([BLOCK], tl.float32)
+        lane_nan = tl.zeros([BLOCK], tl.int32)
+        full_end = group_start + (group_end - group_start) // BLOCK * BLOCK
+        for start in range(group_start, full_end, BLOCK):
+            p, w, nan = _race_weights(row_ptr, q_ptr, start + tl.arange(0, BLOCK), None,
+                                      x_base, x_thr, inv_norm, scale, q_base, q_thr,
+                                      q_inv_norm, draft_token, Q_MODE, RESIDUAL)
+            lane_p += p
+            lane_r += w
+            lane_nan = tl.maximum(lane_nan, nan.to(tl.int32))
+        if full_end < group_end:
+            offs = full_end + tl.arange(0, BLOCK)
+            p, w, nan = _race_weights(row_ptr, q_ptr, offs, offs < group_end,
+                                      x_base, x_thr, inv_norm, scale, q_base, q_thr,
+                                      q_inv_norm, draft_token, Q_MODE, RESIDUAL)
+            lane_p += p
+            lane_r += w
+            lane_nan = tl.maximum(lane_nan, nan.to(tl.int32))
+        group = group_start // GROUP
+        noise = trng.group_noise(seed, offset, position, PURPOSE, group)
+        mass_p = tl.sum(lane_p, axis=0)
+        score_p = tl.where(mass_p > 0, mass_p / noise, -1.0)
+        group_p = tl.where(score_p > best_p, group, group_p)  # strict >: the lowest group
+        best_p = tl.maximum(score_p, best_p)
+        if RESIDUAL:
+            mass_r = tl.sum(lane_r, axis=0)
+            score_r = tl.where(mass_r > 0, mass_r / noise, -1.0)
+            group_r = tl.where(score_r > best_r, group, group_r)
+            best_r = tl.maximum(score_r, best_r)
+            has_nan = tl.maximum(has_nan, tl.max(lane_nan, axis=0))
+    return best_p, group_p, best_r, group_r, has_nan
+
+
+@triton.jit
+def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
+                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position,
+                 PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Second level of the race: ``argmax w_i / E_i`` over the tokens of ``group`` (lowest id
+    among equal scores), ``w`` the residual when RESIDUAL, else p, and ``E_i`` the tokens'
+    Philox Exp(1) noise, four tokens per Philox: ``[BLOCK // 4, 4]`` tiles, each thread owning
+    whole rows of four. -1 when no weight is positive. Scores divide with the fast ``/``
+    (within 2 ulp): a winner can change only between scores that close, which the tests
+    bound."""
     QUADS: tl.constexpr = BLOCK // 4
-    x_base = tl.where(x_max > float("-inf"), x_max, 0.0)
-    inv_norm = tl.where(norm > 0.0, 1.0 / norm, 0.0)
-    q_base = tl.where(q_max > float("-inf"), q_max, 0.0)
-    q_inv_norm = tl.where(q_norm > 0.0, 1.0 / q_norm, 0.0)
+    start_v = group * GROUP
+    end_v = tl.minimum(start_v + GROUP, V)
     # Per-lane winners across iterations (strict >: a lane's earliest offset among equal
-    # scores), reduced once after the loop (max score, lowest id among the lanes holding it):
-    # the same selection as a per-block reduction, with no CTA-wide reduction in the loop.
-    lane_p = tl.full([QUADS, 4], -1.0, tl.float32)
-    lane_idx_p = tl.full([QUADS, 4], 2147483647, tl.int32)
-    lane_r = tl.full([QUADS, 4], -1.0, tl.float32)
-    lane_idx_r = tl.full([QUADS, 4], 2147483647, tl.int32)
-    lane_mass = tl.zeros([QUADS, 4], tl.int32)
-    lane_nan = tl.zeros([QUADS, 4], tl.int32)
+    # scores), reduced once after the loop (max score, lowest id among the lanes holding it).
+    lane_best = tl.full([QUADS, 4], -1.0, tl.float32)
+    lane_idx = tl.full([QUADS, 4], 2147483647, tl.int32)
     full_end = start_v + (end_v - start_v) // BLOCK * BLOCK
     for start in range(start_v, full_end, BLOCK):
+        offs = quad_offsets(start, QUADS)
+        _, w, _ = _race_weights(row_ptr, q_ptr, offs, None, x_base, x_thr, inv_norm, scale,
+                                q_base, q_thr, q_inv_norm, draft_token, Q_MODE, RESIDUAL)
         noise = trng.token_noise(seed, offset, position, PURPOSE, start // 4, QUADS)
-        lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan = _race_step(
-            row_ptr, q_ptr, quad_offsets(start, QUADS), end_v, noise, x_base, x_thr, inv_norm,
-            scale, q_base, q_thr, q_inv_norm, draft_token,
-            lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan, False, Q_MODE, RESIDUAL)
+        score = tl.where(w > 0, w / noise, -1.0)
+        take = score > lane_best
+        lane_best = tl.where(take, score, lane_best)
+        lane_idx = tl.where(take, offs, lane_idx)
     if full_end < end_v:
+        offs = quad_offsets(full_end, QUADS)
+        _, w, _ = _race_weights(row_ptr, q_ptr, offs, offs < end_v, x_base, x_thr, inv_norm,
+                                scale, q_base, q_thr, q_inv_norm, draft_token, Q_MODE, RESIDUAL)
         noise = trng.token_noise(seed, offset, position, PURPOSE, full_end // 4, QUADS)
-        lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan = _race_step(
-            row_ptr, q_ptr, quad_offsets(full_end, QUADS), end_v, noise, x_base, x_thr,
-            inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token,
-            lane_p, lane_idx_p, lane_r, lane_idx_r, lane_mass, lane_nan, True, Q_MODE, RESIDUAL)
-    # A race without a positive score returns -1 with index 2**31 - 1 (never used:
-    # _final_token and _race_reduce_kernel look at the index only when the score is >= 0).
-    best_p, idx_p = _tile_best(lane_p, lane_idx_p)
-    best_r, idx_r = _tile_best(lane_r, lane_idx_r)
-    has_mass = tl.max(tl.max(lane_mass, axis=1), axis=0)
-    has_nan = tl.max(tl.max(lane_nan, axis=1), axis=0)
-    return best_p, idx_p, best_r, idx_r, has_mass, has_nan
-
-
-@triton.jit
-def _final_token(greedy, has_finite, argmax, use_residual, best_p, idx_p, best_r, idx_r,
-                 has_mass, has_nan):
-    """The emitted token: greedy arg-max; else the residual race when it has mass (a NaN in
-    the residual gives -1, as the reference's amax does); else the race over p. -1 when the
-    winning race had no positive weight. Always -1 or an index that was raced, so in [0, V)."""
-    token_p = tl.where(best_p >= 0, idx_p, -1)
-    token_r = tl.where(has_nan != 0, -1, tl.where(best_r >= 0, idx_r, -1))
-    token = tl.where(use_residual & (has_mass != 0), token_r, token_p)
-    return tl.where(greedy, tl.where(has_finite, argmax, -1), token)
+        score = tl.where(w > 0, w / noise, -1.0)
+        take = score > lane_best
+        lane_best = tl.where(take, score, lane_best)
+        lane_idx = tl.where(take, offs, lane_idx)
+    best, idx = _tile_best(lane_best, lane_idx)
+    return tl.where(best >= 0, idx, -1)
 
 
 @triton.jit
@@ -643,6 +665,12 @@ def _sampled_row(req, num_accepted_ptr, num_draft_ptr, draft_ids_ptr, stride_ids
     return num_accepted, rejected
 
 
+# Stages of the race kernel: both levels in one program per request (V in one chunk), or the
+# first level split over chunks of V (partial winners per chunk) and then, one program per
+# request, their reduction and the second level.
+STAGE_BOTH, STAGE_GROUPS, STAGE_TOKENS = 0, 1, 2
+
+
 @triton.jit
 def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, argmax_ptr,
                  q_ptr, stride_q_req, stride_q_row, q_stats_ptr,
@@ -650,20 +678,28 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
                  part_score_ptr, part_index_ptr, V, K, chunk_size,
                  PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
-                 NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr):
-    """One correction/bonus (chain) or sample token per request; grid (B, NUM_CHUNKS), each
-    program races ``chunk_size`` tokens of the request's row ``num_accepted`` (chain) or 0.
+                 STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                 GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                 K_P2: tl.constexpr):
+    """One correction/bonus (chain) or sample token per request, by the two-level race over
+    row ``num_accepted`` (chain) or 0 of the request.
 
-    A chain's programs first replay the acceptance of their request (``_accept_drafts``: a
-    few gathered values per draft, cheaper than a launch of its own); chunk 0 writes the
-    accepted drafts, ``num_accepted`` and the -1 padding.
+    STAGE_BOTH (grid B) and STAGE_GROUPS (grid B x NUM_CHUNKS, program c racing the groups of
+    tokens ``[c * chunk_size, (c + 1) * chunk_size)``) first replay the request's acceptance
+    (``_accept_drafts``: a few gathered values per draft, cheaper than a launch of its own),
+    then race the groups (``_race_groups``); STAGE_GROUPS stores each chunk's winners, and its
+    chunk 0 writes the accepted drafts, ``num_accepted`` and the -1 padding. STAGE_TOKENS
+    (grid B) reduces the chunks' winners. STAGE_BOTH and STAGE_TOKENS then race the tokens of
+    the winning group (``_race_tokens``) and write the token.
 
     Bytes per request: reads one target row (V * elem_size), plus one draft row (V * elem_size
-    of draft_probs / draft_logits) only when the request rejected a draft and is not greedy;
-    reads ~64 B of stats/ids/parameters per program, plus the acceptance's gathers; writes
-    (K + 1) * 4 + 4 B (chain) or 4 B (sample), and 24 B of partial results per program when
-    V is split. Compute: one Philox-4x32-10 per four tokens and a log per token (the noise);
-    the race keeps a winner per lane and reduces across lanes once per chunk.
+    of draft_probs / draft_logits) only when the request rejected a draft and is not greedy,
+    plus the winning group's GROUP tokens of them again; ~64 B of stats/ids/parameters per
+    program and the acceptance's gathers; writes (K + 1) * 4 + 4 B (chain) or 4 B (sample),
+    and 20 B of partial winners per program of STAGE_GROUPS. Compute: ~10 operations per
+    token of the row and one Philox per group for the first level; one Philox-4x32-10 per
+    four tokens and a log per token for the winning group only. Greedy requests read none
+    of it: the arg-max comes from the statistics.
     """
     req = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -672,14 +708,17 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     scale = exp2_scale(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
-    if IS_CHAIN:
+    if STAGE == 2:
+        num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_ptr,
+                                              draft_ids_ptr, stride_ids, V, K, IS_CHAIN)
+    elif IS_CHAIN:
         num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
         num_accepted, rejected = _accept_drafts(
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
             stride_q_row, q_stats_ptr, draft_ids_ptr, stride_ids, num_draft, greedy, scale,
             seed, offset, V, K, Q_MODE)
-        if NUM_CHUNKS > 1:
-            if chunk == 0:  # the token itself follows from _race_reduce_kernel
+        if STAGE == 1:
+            if chunk == 0:  # the token itself follows from STAGE_TOKENS
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
                                  num_accepted, -1, K, K_P2)
                 tl.store(num_accepted_ptr + req, num_accepted)
@@ -692,17 +731,17 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     x_max = tl.load(stats_ptr + row * 3 + 0)
     x_thr = tl.load(stats_ptr + row * 3 + 1)
     norm = tl.load(stats_ptr + row * 3 + 2)
-    start_v = chunk * chunk_size
-    end_v = tl.minimum(start_v + chunk_size, V)
+    x_base = tl.where(x_max > float("-inf"), x_max, 0.0)
+    inv_norm = tl.where(norm > 0.0, 1.0 / norm, 0.0)
 
     use_residual = rejected & (~greedy)
     # The draft distribution at the rejected position.
     last = tl.minimum(num_accepted, tl.maximum(K - 1, 0))
     draft_token = tl.full([], 0, tl.int32)
     q_row_ptr = q_ptr
-    q_max = tl.full([], 0.0, tl.float32)
+    q_base = tl.full([], 0.0, tl.float32)
     q_thr = tl.full([], 0.0, tl.float32)
-    q_norm = tl.full([], 1.0, tl.float32)
+    q_inv_norm = tl.full([], 1.0, tl.float32)
     if Q_MODE == 1:
         d = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + last,
                     mask=use_residual, other=0).to(tl.int64)
@@ -714,82 +753,88 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
         q_max = tl.load(q_stats_ptr + q_row * 3 + 0, mask=use_residual, other=0.0)
         q_thr = tl.load(q_stats_ptr + q_row * 3 + 1, mask=use_residual, other=0.0)
         q_norm = tl.load(q_stats_ptr + q_row * 3 + 2, mask=use_residual, other=1.0)
+        q_base = tl.where(q_max > float("-inf"), q_max, 0.0)
+        q_inv_norm = tl.where(q_norm > 0.0, 1.0 / q_norm, 0.0)
 
-    best_p = tl.full([], -1.0, tl.float32)
-    idx_p = tl.full([], 2147483647, tl.int32)
-    best_r = tl.full([], -1.0, tl.float32)
-    idx_r = tl.full([], 2147483647, tl.int32)
-    has_mass = tl.full([], 0, tl.int32)
-    has_nan = tl.full([], 0, tl.int32)
-    if temperature != 0.0:  # greedy requests take the arg-max from the stats: no pass at all
-        if Q_MODE != 0:
-            if use_residual:
-                best_p, idx_p, best_r, idx_r, has_mass, has_nan = _race_chunk(
-                    row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, scale,
-                    q_max, q_thr, q_norm, draft_token, seed, offset, num_accepted, PURPOSE,
-                    Q_MODE, True, BLOCK)
+    if STAGE == 2:
+        chunks = tl.arange(0, CHUNKS_P2)
+        valid = chunks < NUM_CHUNKS
+        part = req * NUM_CHUNKS + chunks
+        # Chunks are in group order: max score, lowest group among equal scores.
+        best_p, group_p = _block_best(
+            tl.load(part_score_ptr + part * 2 + 0, mask=valid, other=-2.0),
+            tl.load(part_index_ptr + part * 3 + 0, mask=valid, other=2147483647))
+        best_r, group_r = _block_best(
+            tl.load(part_score_ptr + part * 2 + 1, mask=valid, other=-2.0),
+            tl.load(part_index_ptr + part * 3 + 1, mask=valid, other=2147483647))
+        has_nan = tl.max(tl.load(part_index_ptr + part * 3 + 2, mask=valid, other=0), axis=0)
+    else:
+        start_v = chunk * chunk_size
+        end_v = tl.minimum(start_v + chunk_size, V)
+        best_p = tl.full([], -1.0, tl.float32)
+        group_p = tl.full([], 2147483647, tl.int32)
+        best_r = tl.full([], -1.0, tl.float32)
+        group_r = tl.full([], 2147483647, tl.int32)
+        has_nan = tl.full([], 0, tl.int32)
+        if temperature != 0.0:  # greedy requests take the arg-max from the stats: no pass
+            if Q_MODE != 0:
+                if use_residual:
+                    best_p, group_p, best_r, group_r, has_nan = _race_groups(
+                        row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
+                        q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                        PURPOSE, Q_MODE, True, GROUP, MASS_BLOCK)
+                else:
+                    best_p, group_p, best_r, group_r, has_nan = _race_groups(
+                        row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
+                        q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                        PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK)
             else:
-                best_p, idx_p, best_r, idx_r, has_mass, has_nan = _race_chunk(
-                    row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, scale,
-                    q_max, q_thr, q_norm, draft_token, seed, offset, num_accepted, PURPOSE,
-                    Q_MODE, False, BLOCK)
-        else:
-            best_p, idx_p, best_r, idx_r, has_mass, has_nan = _race_chunk(
-                row_ptr, q_row_ptr, start_v, end_v, x_max, x_thr, norm, scale,
-                q_max, q_thr, q_norm, draft_token, seed, offset, num_accepted, PURPOSE,
-                Q_MODE, False, BLOCK)
+                best_p, group_p, best_r, group_r, has_nan = _race_groups(
+                    row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
+                    q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                    PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK)
+        if STAGE == 1:
+            part = req * NUM_CHUNKS + chunk
+            tl.store(part_score_ptr + part * 2 + 0, best_p)
+            tl.store(part_score_ptr + part * 2 + 1, best_r)
+            tl.store(part_index_ptr + part * 3 + 0, group_p)
+            tl.store(part_index_ptr + part * 3 + 1, group_r)
+            tl.store(part_index_ptr + part * 3 + 2, has_nan)
 
-    if NUM_CHUNKS == 1:
+    if STAGE != 1:
+        # The token: greedy arg-max; else the residual's race when it has mass (a NaN in the
+        # residual gives -1, as the reference's amax does); else the race over p; -1 when
+        # the winning race had no positive weight. Always -1 or a raced index, so in [0, V).
         argmax = tl.load(argmax_ptr + row)
-        token = _final_token(greedy, x_max > float("-inf"), argmax, use_residual,
-                             best_p, idx_p, best_r, idx_r, has_mass, has_nan)
+        token = tl.where(x_max > float("-inf"), argmax, -1)
+        if temperature != 0.0:
+            token = tl.full([], -1, tl.int32)
+            if Q_MODE != 0:
+                if use_residual & (best_r >= 0):
+                    if has_nan == 0:
+                        token = _race_tokens(
+                            row_ptr, q_row_ptr, group_r, V, x_base, x_thr, inv_norm, scale,
+                            q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                            PURPOSE, Q_MODE, True, GROUP, BLOCK)
+                elif best_p >= 0:
+                    token = _race_tokens(
+                        row_ptr, q_row_ptr, group_p, V, x_base, x_thr, inv_norm, scale,
+                        q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                        PURPOSE, Q_MODE, False, GROUP, BLOCK)
+            elif best_p >= 0:
+                token = _race_tokens(
+                    row_ptr, q_row_ptr, group_p, V, x_base, x_thr, inv_norm, scale,
+                    q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                    PURPOSE, Q_MODE, False, GROUP, BLOCK)
         if IS_CHAIN:
-            _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids, num_accepted,
-                             token, K, K_P2)
-            tl.store(num_accepted_ptr + req, num_accepted)
+            if STAGE == 0:
+                _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
+                                 num_accepted, token, K, K_P2)
+                tl.store(num_accepted_ptr + req, num_accepted)
+            else:
+                tl.store(out_ptr + req.to(tl.int64) * stride_out + num_accepted, token)
         else:
             tl.store(out_ptr + req.to(tl.int64) * stride_out, token)
-    else:
-        part = req * NUM_CHUNKS + chunk
-        tl.store(part_score_ptr + part * 2 + 0, best_p)
-        tl.store(part_score_ptr + part * 2 + 1, best_r)
-        tl.store(part_index_ptr + part * 4 + 0, idx_p)
-        tl.store(part_index_ptr + part * 4 + 1, idx_r)
-        tl.store(part_index_ptr + part * 4 + 2, has_mass)
-        tl.store(part_index_ptr + part * 4 + 3, has_nan)
-
-
-@triton.jit
-def _race_reduce_kernel(stats_ptr, argmax_ptr, rows_per_req, draft_ids_ptr, stride_ids,
-                        num_draft_ptr, num_accepted_ptr, temperature_ptr, out_ptr, stride_out,
-                        part_score_ptr, part_index_ptr, V, K,
-                        IS_CHAIN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-                        CHUNKS_P2: tl.constexpr):
-    """Combines the per-chunk race winners of one request (grid B), deterministically: max
-    score, lowest token id among ties (chunks are in token order).
-    Bytes per request: reads 24 * NUM_CHUNKS + ~24 B, writes 4 B."""
-    req = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + req)
-    greedy = temperature == 0.0
-    num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_ptr, draft_ids_ptr,
-                                          stride_ids, V, K, IS_CHAIN)
-    row = req * rows_per_req + num_accepted
-    chunks = tl.arange(0, CHUNKS_P2)
-    valid = chunks < NUM_CHUNKS
-    part = req * NUM_CHUNKS + chunks
-    score_p = tl.load(part_score_ptr + part * 2 + 0, mask=valid, other=-2.0)
-    score_r = tl.load(part_score_ptr + part * 2 + 1, mask=valid, other=-2.0)
-    idx_p = tl.load(part_index_ptr + part * 4 + 0, mask=valid, other=2147483647)
-    idx_r = tl.load(part_index_ptr + part * 4 + 1, mask=valid, other=2147483647)
-    has_mass = tl.max(tl.load(part_index_ptr + part * 4 + 2, mask=valid, other=0), axis=0)
-    has_nan = tl.max(tl.load(part_index_ptr + part * 4 + 3, mask=valid, other=0), axis=0)
-    best_p, arg_p = _block_best(score_p, idx_p)
-    best_r, arg_r = _block_best(score_r, idx_r)
-    x_max = tl.load(stats_ptr + row * 3 + 0)
-    argmax = tl.load(argmax_ptr + row)
-    token = _final_token(greedy, x_max > float("-inf"), argmax, rejected & (~greedy),
-                         best_p, arg_p, best_r, arg_r, has_mass, has_nan)
-    tl.store(out_ptr + req.to(tl.int64) * stride_out + num_accepted, token)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -927,21 +972,23 @@ def launch_options(device: torch.device, num_warps: int) -> dict:
 RACE_CHUNK_OVERRIDE: int | None = None
 
 
-def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
-    """(chunk_size, num_chunks, BLOCK) of the race: enough programs to fill the GPU when B is
-    small (a shape-only choice, so no synchronisation)."""
-    block = block_size(vocab, device, cap_gpu=512)
+def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(chunk_size, num_chunks, GROUP, MASS_BLOCK, BLOCK) of the race: chunks of whole token
+    groups, enough of them to fill the GPU when B is small (a shape-only choice, so no
+    synchronisation); tiles of the first level (MASS_BLOCK: 8 logits per thread of 4 warps,
+    one 16-byte load of bf16) and of the second (BLOCK), neither larger than a group."""
+    group = _rng.RACE_GROUP
+    mass_block = min(block_size(vocab, device, cap_gpu=1024), group)
+    block = min(block_size(vocab, device, cap_gpu=512), group)
     if RACE_CHUNK_OVERRIDE is not None:
-        block = min(block, max(16, next_pow2(RACE_CHUNK_OVERRIDE)))
         chunk = RACE_CHUNK_OVERRIDE
     elif interpreted(device):
         chunk = vocab
     else:
-        sms = num_sms(device)
-        want = max(1, (4 * sms + batch - 1) // batch)
-        chunk = max(4 * block, cdiv(vocab, want))
-    chunk = cdiv(max(chunk, 1), block) * block
-    return chunk, cdiv(vocab, chunk), block
+        want = max(1, cdiv(4 * num_sms(device), batch))
+        chunk = cdiv(vocab, want)
+    chunk = cdiv(max(chunk, 1), group) * group
+    return chunk, cdiv(vocab, chunk), group, mass_block, block
 
 
 def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: int,
@@ -951,42 +998,37 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
          q_stats: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None,
          num_draft: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None,
          num_drafts: int = 0) -> None:
-    """Launch the race (and its reduction when V is split); writes
-    ``out[b * stride_out + (num_accepted[b] or 0)]``."""
+    """Launch the race: one launch when V is one chunk, else the first level over chunks and
+    the second per request; writes ``out[b * stride_out + (num_accepted[b] or 0)]``."""
     batch = params.temperature.shape[0]
     vocab = logits.shape[-1]
     device = logits.device
     if batch == 0:
         return
-    chunk, num_chunks, block = race_chunks(batch, vocab, device)
+    chunk, num_chunks, group, mass_block, block = race_chunks(batch, vocab, device)
     is_chain = num_accepted is not None
     dummy_f, dummy_i = scratch(device, torch.float32), scratch(device, torch.int32)
     part_score = torch.empty((batch, num_chunks, 2), dtype=torch.float32, device=device) \
         if num_chunks > 1 else dummy_f
-    part_index = torch.empty((batch, num_chunks, 4), dtype=torch.int32, device=device) \
+    part_index = torch.empty((batch, num_chunks, 3), dtype=torch.int32, device=device) \
         if num_chunks > 1 else dummy_i
-    _race_kernel[(batch, num_chunks)](
-        logits, stride_req, stride_row, rows_per_req, stats, argmax,
-        q if q is not None else dummy_f, q_strides[0], q_strides[1],
-        q_stats if q_stats is not None else dummy_f,
-        draft_ids if draft_ids is not None else dummy_i,
-        draft_ids.stride(0) if draft_ids is not None else 0,
-        num_draft if num_draft is not None else dummy_i,
-        num_accepted if num_accepted is not None else dummy_i,
-        params.temperature, seeds, offsets, out, stride_out, part_score, part_index,
-        vocab, num_drafts, chunk,
-        PURPOSE=purpose, IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=num_chunks,
-        BLOCK=block, K_P2=next_pow2(num_drafts + 1), **launch_options(device, 4))
-    if num_chunks > 1:
-        _race_reduce_kernel[(batch,)](
-            stats, argmax, rows_per_req,
+    args = (logits, stride_req, stride_row, rows_per_req, stats, argmax,
+            q if q is not None else dummy_f, q_strides[0], q_strides[1],
+            q_stats if q_stats is not None else dummy_f,
             draft_ids if draft_ids is not None else dummy_i,
             draft_ids.stride(0) if draft_ids is not None else 0,
             num_draft if num_draft is not None else dummy_i,
             num_accepted if num_accepted is not None else dummy_i,
-            params.temperature, out, stride_out, part_score, part_index, vocab, num_drafts,
-            IS_CHAIN=is_chain, NUM_CHUNKS=num_chunks,
-            CHUNKS_P2=next_pow2(num_chunks), num_warps=1)
+            params.temperature, seeds, offsets, out, stride_out, part_score, part_index,
+            vocab, num_drafts, chunk)
+    constexprs = dict(PURPOSE=purpose, IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=num_chunks,
+                      CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
+                      BLOCK=block, K_P2=next_pow2(num_drafts + 1), **launch_options(device, 4))
+    if num_chunks == 1:
+        _race_kernel[(batch, 1)](*args, STAGE=STAGE_BOTH, **constexprs)
+    else:
+        _race_kernel[(batch, num_chunks)](*args, STAGE=STAGE_GROUPS, **constexprs)
+        _race_kernel[(batch, 1)](*args, STAGE=STAGE_TOKENS, **constexprs)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -1041,10 +1083,15 @@ def _stats_finish_spec(dtype: str, key_shift: int, filters: bool, chunks: int) -
         num_warps=warps)
 
 
-def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True) -> dict:
+def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True,
+               stage: int | None = None) -> dict:
     mode = ["p", "one_hot", "draft_probs", "draft_logits"][q_mode]
+    if stage is None:
+        stage = STAGE_BOTH if chunks == 1 else STAGE_GROUPS
+    stage_name = ["", ",groups", ",tokens"][stage]
     return dict(
-        name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}]", kernel=_race_kernel,
+        name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}]",
+        kernel=_race_kernel,
         signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
                        rows_per_req="i32", stats_ptr="*fp32", argmax_ptr="*i32",
                        q_ptr=f"*{q_dtype}", stride_q_req="i32", stride_q_row="i32",
@@ -1054,8 +1101,9 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                        part_score_ptr="*fp32", part_index_ptr="*i32", V="i32", K="i32",
                        chunk_size="i32"),
         constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
-                        IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=chunks, BLOCK=512,
-                        K_P2=8 if is_chain else 1),
+                        IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
+                        CHUNKS_P2=next_pow2(chunks), GROUP=_rng.RACE_GROUP, MASS_BLOCK=1024,
+                        BLOCK=512, K_P2=8 if is_chain else 1),
         num_warps=4, maxnreg=MAX_REGISTERS)
 
 
@@ -1070,11 +1118,6 @@ COMPILE_SPECS = [
     _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False),
     _race_spec("bf16", "fp32", Q_ONE_HOT, 8), _race_spec("bf16", "fp32", Q_PROBS, 1),
     _race_spec("bf16", "bf16", Q_LOGITS, 8), _race_spec("fp32", "fp32", Q_LOGITS, 1),
-    dict(name="race_reduce[chunks=8]", kernel=_race_reduce_kernel,
-         signature=dict(stats_ptr="*fp32", argmax_ptr="*i32", rows_per_req="i32",
-                        draft_ids_ptr="*i64", stride_ids="i32", num_draft_ptr="*i32",
-                        num_accepted_ptr="*i32", temperature_ptr="*fp32", out_ptr="*i32",
-                        stride_out="i32", part_score_ptr="*fp32", part_index_ptr="*i32",
-                        V="i32", K="i32"),
-         constexprs=dict(IS_CHAIN=True, NUM_CHUNKS=8, CHUNKS_P2=8), num_warps=1),
+    _race_spec("bf16", "fp32", Q_PROBS, 8, stage=STAGE_TOKENS),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS),
 ]

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _rng
 from .._params import scratch
 from . import _rng as trng
 from ._launch import next_pow2
@@ -78,11 +79,31 @@ def _wor_draft(q, gone, q_mass):
 
 
 @triton.jit
+def _final_weight(row_ptr, q_row_ptr, offs, mask, x_max, x_thr, norm, scale, steps, masses,
+                  q_masses, tokens, applied, idx, MODE: tl.constexpr):
+    """The weight the final token is raced from at tokens ``offs`` (0 where masked): the
+    current node's p with the rejected tokens removed (deterministic candidates) or the
+    residual after ``steps`` rejections."""
+    weight = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm, scale)
+    if MODE == 0:
+        # O(steps) per element; a [BLOCK, N_P2] comparison would spill for large N.
+        for j in range(0, steps):
+            weight = tl.where(offs == _pick(tokens, idx, j), 0.0, weight)
+    else:
+        if steps > 0:
+            qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            weight, _ = _residual(weight, qv, offs, steps, masses, q_masses, tokens, applied,
+                                  idx, MODE == 2)
+    return weight
+
+
+@triton.jit
 def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                       q_ptr, stride_qb, stride_qn, ids_ptr, stride_ib, parents_ptr, stride_pb,
                       num_nodes_ptr, temperature_ptr, seed_ptr, offset_ptr,
                       out_ptr, path_ptr, num_accepted_ptr, V, N,
-                      MODE: tl.constexpr, N_P2: tl.constexpr, BLOCK: tl.constexpr):
+                      MODE: tl.constexpr, N_P2: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK: tl.constexpr):
     """The walk and the final sample of one request (grid B).
 
     Bytes per request: per node, its parent and id (8-16 B); per tested child, 12 + 4 B of
@@ -209,28 +230,39 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     argmax = tl.load(argmax_ptr + row)
     row_ptr = logits_req + current.to(tl.int64) * stride_ln
     q_row_ptr = q_req + current.to(tl.int64) * stride_qn
+    # The two-level race (see _rng): first the groups of GROUP tokens by their mass of the
+    # final weights (per-lane sums, one reduction and one Philox per group), then the tokens
+    # of the winning group. Greedy: the arg-max from the stats, no pass.
+    best_group = tl.full([], -1, tl.int32)
+    best_group_score = tl.full([], -1.0, tl.float32)
+    if temperature != 0.0:
+        for group_start in range(0, V, GROUP):
+            lane_mass = tl.zeros([BLOCK], tl.float32)
+            for start in range(group_start, tl.minimum(group_start + GROUP, V), BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                lane_mass += _final_weight(row_ptr, q_row_ptr, offs, offs < V, x_max, x_thr,
+                                           norm, scale, steps, masses, q_masses, tokens,
+                                           applied, idx, MODE)
+            group = group_start // GROUP
+            mass = tl.sum(lane_mass, axis=0)
+            noise = trng.group_noise(seed, offset, current, trng.PURPOSE_RESAMPLE, group)
+            score = tl.where(mass > 0.0, tl.math.div_rn(mass, noise), -1.0)
+            best_group = tl.where(score > best_group_score, group, best_group)
+            best_group_score = tl.maximum(score, best_group_score)
     # Per-lane winners (strict >: a lane's earliest offset), reduced once after the loop:
     # max score, lowest id among equal scores, with no CTA-wide reduction per block.
     # Tiles of [BLOCK // 4, 4] tokens: one Philox per four tokens (trng.token_noise).
     lane_best = tl.full([BLOCK // 4, 4], -1.0, tl.float32)
     lane_idx = tl.full([BLOCK // 4, 4], 2147483647, tl.int32)
-    if temperature != 0.0:  # greedy: the arg-max from the stats, no pass
-        for start in range(0, V, BLOCK):
+    if best_group >= 0:
+        group_start = best_group * GROUP
+        for start in range(group_start, tl.minimum(group_start + GROUP, V), BLOCK):
             offs = quad_offsets(start, BLOCK // 4)
-            mask = offs < V
-            weight = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm, scale)
-            if MODE == 0:
-                # O(steps) per element; a [BLOCK, N_P2] comparison would spill for large N.
-                for j in range(0, steps):
-                    weight = tl.where(offs == _pick(tokens, idx, j), 0.0, weight)
-            else:
-                if steps > 0:
-                    qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                    weight, _ = _residual(weight, qv, offs, steps, masses, q_masses, tokens,
-                                          applied, idx, MODE == 2)
+            weight = _final_weight(row_ptr, q_row_ptr, offs, offs < V, x_max, x_thr, norm,
+                                   scale, steps, masses, q_masses, tokens, applied, idx, MODE)
             noise = trng.token_noise(seed, offset, current, trng.PURPOSE_RESAMPLE, start // 4,
                                      BLOCK // 4)
-            score = tl.where(mask & (weight > 0.0), tl.math.div_rn(weight, noise), -1.0)
+            score = tl.where(weight > 0.0, tl.math.div_rn(weight, noise), -1.0)
             take = score > lane_best
             lane_best = tl.where(take, score, lane_best)
             lane_idx = tl.where(take, offs, lane_idx)
@@ -278,8 +310,9 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
         q, q_strides[0], q_strides[1], ids, ids.stride(0), par, par.stride(0),
         num_nodes.to(torch.int32).contiguous(), params.temperature, seeds, offsets,
         out, path, num_accepted, vocab, nodes,
-        MODE=mode, N_P2=next_pow2(nodes),
-        BLOCK=block_size(vocab, device, cap_gpu=WALK_BLOCK), **launch_options(device, WALK_WARPS))
+        MODE=mode, N_P2=next_pow2(nodes), GROUP=_rng.RACE_GROUP,
+        BLOCK=min(block_size(vocab, device, cap_gpu=WALK_BLOCK), _rng.RACE_GROUP),
+        **launch_options(device, WALK_WARPS))
     return out, path, num_accepted
 
 
@@ -305,7 +338,8 @@ WALK_WARPS = 8
 COMPILE_SPECS = [
     {"name": f"tree_walk_{mode_name}_n{n_p2}", "fn": _tree_walk_kernel,
      "signature": _WALK_SIGNATURE,
-     "constexprs": {"MODE": mode, "N_P2": n_p2, "BLOCK": WALK_BLOCK}, "num_warps": WALK_WARPS,
+     "constexprs": {"MODE": mode, "N_P2": n_p2, "GROUP": _rng.RACE_GROUP, "BLOCK": WALK_BLOCK},
+     "num_warps": WALK_WARPS,
      "maxnreg": MAX_REGISTERS}
     for mode_name, mode in (("deterministic", MODE_DETERMINISTIC), ("iid", MODE_IID),
                             ("without_replacement", MODE_WITHOUT_REPLACEMENT))
