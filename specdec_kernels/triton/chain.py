@@ -6,16 +6,18 @@ Launches, all asynchronous (no host synchronisation, CUDA-graph capturable with 
    rows when ``draft_logits`` is given): one streaming pass per row, split over programs (and
    merged by ``_row_stats_finish_kernel``) when rows are few, plus pivot passes for rows whose
    top-k/top-p is active (``sampling.py``).
-2. ``_race_kernel`` (grid B x chunks): each program replays its request's acceptance loop
-   (``_accept_drafts``: one gathered logit, and one draft probability or draft logit, per
-   draft tested), then races its chunk of row ``num_accepted`` for the correction or bonus
-   token; writes the accepted drafts, the token, ``-1`` padding and ``num_accepted``. When V is
-   split, ``_race_reduce_kernel`` picks the token from the chunks' winners.
+2. ``_race_kernel``: each program replays its request's acceptance loop (``_accept_drafts``:
+   one gathered logit, and one draft probability or draft logit, per draft tested), then
+   runs the two-level race (``_rng``) over row ``num_accepted`` for the correction or bonus
+   token; writes the accepted drafts, the token, ``-1`` padding and ``num_accepted``. Grid B
+   when V is one chunk; else grid B x chunks for the first level (the groups' masses) and
+   then grid B for the reduction of the chunks' winners and the second level (the tokens of
+   the winning group).
 
 No kernel of its own: both are in ``sampling.py`` (their ``COMPILE_SPECS`` cover the chain).
 
 Memory: the stats are ``[B*(K+1), 3]`` float32 + ``[B*(K+1)]`` int32 (and the same for draft
-rows); the race partials ``[B, chunks, 6]``. Nothing grows with ``B*K*V``.
+rows); the race partials ``[B, chunks, 5]``. Nothing grows with ``B*K*V``.
 """
 from __future__ import annotations
 

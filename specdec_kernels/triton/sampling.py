@@ -1037,8 +1037,9 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """int32 ``[B]``: one token per row of ``logits`` ``[B, V]`` from the processed distribution
-    (-1 for a row with no finite logit). Two launches (stats, race) plus the reduction when
-    V is split; no host synchronisation."""
+    (-1 for a row with no finite logit). Two launches (stats, race), plus the statistics'
+    merge when rows are split and the race's second stage when V is; no host
+    synchronisation."""
     logits = _last_dim_contiguous(logits)
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int32, device=logits.device)
