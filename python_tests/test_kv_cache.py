@@ -404,6 +404,8 @@ def test_bad_structure_raises_value_error(backend):
         ([c.to(torch.int16) for c in caches], "caches", "floating-point"),
         ([c[0] for c in caches], "caches", "4-D"),
         ([c[..., ::2] for c in caches], "caches", "contiguous last dimension"),
+        (caches + [caches[1]], f"caches[{len(caches)}]", r"distinct tensors.*caches\[1\]"),
+        (caches[:1] + [caches[0].view_as(caches[0])], "caches[1]", "distinct tensors"),
     ]
     for bad_caches, argument, needle in cases:
         with pytest.raises(ValueError, match=rf"^{re.escape(argument)}: .*{needle}"):

@@ -57,6 +57,16 @@ def _check_caches(caches: Caches, *, paged: bool, layout: str) -> list[torch.Ten
                 if got != expected:
                     raise ValueError(f"caches[{i}]: expected the same {what} as caches[0] "
                                      f"({expected}), got {got}")
+    # Same shape and strides, so two tensors that start at the same address are the same
+    # memory: compacting it twice would move the moved positions again. (Not while
+    # torch.compile traces: its fake tensors have no addresses.)
+    if not torch.compiler.is_compiling() and len({c.data_ptr() for c in caches}) != len(caches):
+        seen: dict[int, int] = {}
+        for i, cache in enumerate(caches):
+            j = seen.setdefault(cache.data_ptr(), i)
+            if j != i:
+                raise ValueError(f"caches[{i}]: expected distinct tensors, got the memory of "
+                                 f"caches[{j}] again (it would be compacted twice)")
     if not _position_rows_ok(first, paged=paged, layout=layout):
         raise ValueError(f"caches: expected the elements of a cache position to be contiguous, "
                          f"or rows of a contiguous last dimension, got shape {list(first.shape)} "
