@@ -59,8 +59,9 @@ def _check_caches(caches: Caches, *, paged: bool, layout: str) -> list[torch.Ten
                                      f"({expected}), got {got}")
     # Same shape and strides, so two tensors that start at the same address are the same
     # memory: compacting it twice would move the moved positions again. (Not while
-    # torch.compile traces: its fake tensors have no addresses.)
-    if not torch.compiler.is_compiling() and len({c.data_ptr() for c in caches}) != len(caches):
+    # torch.compile traces: its fake tensors have no addresses. Empty tensors hold nothing.)
+    if (not torch.compiler.is_compiling() and first.numel() > 0
+            and len({c.data_ptr() for c in caches}) != len(caches)):
         seen: dict[int, int] = {}
         for i, cache in enumerate(caches):
             j = seen.setdefault(cache.data_ptr(), i)
