@@ -485,6 +485,17 @@ def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
 
 
 @triton.jit
+def _group_step(row_ptr, q_ptr, offs, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
+                q_inv_norm, draft_token, lane_p, lane_r, lane_nan, MASKED: tl.constexpr,
+                Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+    """One tile of ``_race_groups``: adds the tile's weights to the per-lane sums."""
+    p, w, nan = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None,
+                              x_base, x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm,
+                              draft_token, Q_MODE, RESIDUAL)
+    return lane_p + p, lane_r + w, tl.maximum(lane_nan, nan.to(tl.int32))
+
+
+@triton.jit
 def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
                  q_base, q_thr, q_inv_norm, draft_token, seed, offset, position,
                  PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -509,20 +520,15 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
         lane_nan = tl.zeros([BLOCK], tl.int32)
         full_end = group_start + (group_end - group_start) // BLOCK * BLOCK
         for start in range(group_start, full_end, BLOCK):
-            p, w, nan = _race_weights(row_ptr, q_ptr, start + tl.arange(0, BLOCK), None,
-                                      x_base, x_thr, inv_norm, scale, q_base, q_thr,
-                                      q_inv_norm, draft_token, Q_MODE, RESIDUAL)
-            lane_p += p
-            lane_r += w
-            lane_nan = tl.maximum(lane_nan, nan.to(tl.int32))
+            lane_p, lane_r, lane_nan = _group_step(
+                row_ptr, q_ptr, start + tl.arange(0, BLOCK), group_end, x_base, x_thr,
+                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, lane_p, lane_r,
+                lane_nan, False, Q_MODE, RESIDUAL)
         if full_end < group_end:
-            offs = full_end + tl.arange(0, BLOCK)
-            p, w, nan = _race_weights(row_ptr, q_ptr, offs, offs < group_end,
-                                      x_base, x_thr, inv_norm, scale, q_base, q_thr,
-                                      q_inv_norm, draft_token, Q_MODE, RESIDUAL)
-            lane_p += p
-            lane_r += w
-            lane_nan = tl.maximum(lane_nan, nan.to(tl.int32))
+            lane_p, lane_r, lane_nan = _group_step(
+                row_ptr, q_ptr, full_end + tl.arange(0, BLOCK), group_end, x_base, x_thr,
+                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, lane_p, lane_r,
+                lane_nan, True, Q_MODE, RESIDUAL)
         group = group_start // GROUP
         noise = trng.group_noise(seed, offset, position, PURPOSE, group)
         mass_p = tl.sum(lane_p, axis=0)
@@ -536,6 +542,22 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
             best_r = tl.maximum(score_r, best_r)
             has_nan = tl.maximum(has_nan, tl.max(lane_nan, axis=0))
     return best_p, group_p, best_r, group_r, has_nan
+
+
+@triton.jit
+def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
+                q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx,
+                MASKED: tl.constexpr, PURPOSE: tl.constexpr, Q_MODE: tl.constexpr,
+                RESIDUAL: tl.constexpr, QUADS: tl.constexpr):
+    """One ``[QUADS, 4]`` tile of ``_race_tokens``: per-lane winners, strict ``>``."""
+    offs = quad_offsets(start, QUADS)
+    _, w, _ = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None, x_base,
+                            x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token,
+                            Q_MODE, RESIDUAL)
+    noise = trng.token_noise(seed, offset, position, PURPOSE, start // 4, QUADS)
+    score = tl.where(w > 0, w / noise, -1.0)
+    take = score > lane_best
+    return tl.where(take, score, lane_best), tl.where(take, offs, lane_idx)
 
 
 @triton.jit
@@ -558,23 +580,15 @@ def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
     lane_idx = tl.full([QUADS, 4], 2147483647, tl.int32)
     full_end = start_v + (end_v - start_v) // BLOCK * BLOCK
     for start in range(start_v, full_end, BLOCK):
-        offs = quad_offsets(start, QUADS)
-        _, w, _ = _race_weights(row_ptr, q_ptr, offs, None, x_base, x_thr, inv_norm, scale,
-                                q_base, q_thr, q_inv_norm, draft_token, Q_MODE, RESIDUAL)
-        noise = trng.token_noise(seed, offset, position, PURPOSE, start // 4, QUADS)
-        score = tl.where(w > 0, w / noise, -1.0)
-        take = score > lane_best
-        lane_best = tl.where(take, score, lane_best)
-        lane_idx = tl.where(take, offs, lane_idx)
+        lane_best, lane_idx = _token_step(
+            row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
+            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, False,
+            PURPOSE, Q_MODE, RESIDUAL, QUADS)
     if full_end < end_v:
-        offs = quad_offsets(full_end, QUADS)
-        _, w, _ = _race_weights(row_ptr, q_ptr, offs, offs < end_v, x_base, x_thr, inv_norm,
-                                scale, q_base, q_thr, q_inv_norm, draft_token, Q_MODE, RESIDUAL)
-        noise = trng.token_noise(seed, offset, position, PURPOSE, full_end // 4, QUADS)
-        score = tl.where(w > 0, w / noise, -1.0)
-        take = score > lane_best
-        lane_best = tl.where(take, score, lane_best)
-        lane_idx = tl.where(take, offs, lane_idx)
+        lane_best, lane_idx = _token_step(
+            row_ptr, q_ptr, full_end, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
+            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, True,
+            PURPOSE, Q_MODE, RESIDUAL, QUADS)
     best, idx = _tile_best(lane_best, lane_idx)
     return tl.where(best >= 0, idx, -1)
 
