@@ -114,6 +114,31 @@ def test_triton_multi_group_race(monkeypatch, mode):
     test_triton_chain_shaped_tree_equals_triton_chain()
 
 
+@pytest.mark.parametrize("mode", ["iid", "without_replacement"])
+@pytest.mark.parametrize("garbage", ["nan", "inf", "negative"])
+def test_triton_garbage_draft_probs_like_reference(mode, garbage):
+    """Draft probabilities are never read by validation: NaN, +inf or negative entries give
+    the reference's tokens (a NaN residual emits -1 on both), never an id outside [0, V)."""
+    gen = torch.Generator().manual_seed(21)
+    batch, nodes, vocab = 10, 5, 40
+    parents = torch.tensor([-1, 0, 0, 1, 2]).repeat(batch, 1)
+    tokens = torch.randint(0, vocab, (batch, nodes), generator=gen)
+    logits = torch.randn(batch, nodes, vocab, generator=gen)
+    q = torch.softmax(torch.randn(batch, nodes, vocab, generator=gen), -1)
+    q[:, :, 7] = {"nan": float("nan"), "inf": float("inf"), "negative": -0.5}[garbage]
+    kw = dict(draft_probs=q.to(DEVICE), draft_sampling=mode, seed=torch.arange(batch, device=DEVICE),
+              offset=1)
+    args = (logits.to(DEVICE), tokens.to(DEVICE), parents.to(DEVICE))
+    ref = sk.verify_tree(*args, backend="reference", **kw)
+    tri = sk.verify_tree(*args, backend="triton", **kw)
+    assert torch.equal(tri.output_token_ids.cpu(), ref.output_token_ids.cpu())
+    assert torch.equal(tri.accepted_nodes.cpu(), ref.accepted_nodes.cpu())
+    out = tri.output_token_ids.cpu()
+    assert bool(((out >= -1) & (out < vocab)).all())
+    if garbage == "nan":  # the case is exercised: some request's final token is the NaN's -1
+        assert bool((out.gather(1, tri.num_accepted.cpu().long()[:, None]) == -1).any())
+
+
 def test_triton_greedy_and_draft_dtype():
     _compare(8, 9, 33, "iid", torch.bfloat16, seed=5, q_dtype=torch.bfloat16, temperature=0.0)
     _compare(8, 9, 33, "without_replacement", torch.float16, seed=6, q_dtype=torch.float16,

@@ -51,6 +51,13 @@ def _pick(vec, idx, j):
 
 
 @triton.jit
+def _clamp_positive(x):
+    """``max(x, 0)`` keeping NaN, as the reference's ``clamp(min=0)`` does (garbage
+    ``draft_probs`` then give the same tokens on both backends)."""
+    return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _residual(p, q, v, steps, masses, q_masses, tokens, applied, idx, WOR: tl.constexpr):
     """The residual after ``steps`` rejections at the current node, at tokens ``v`` (a scalar
     or a block) with target probabilities ``p`` and draft probabilities ``q`` there. Returns
@@ -66,7 +73,7 @@ def _residual(p, q, v, steps, masses, q_masses, tokens, applied, idx, WOR: tl.co
             gone = gone | (v == _pick(tokens, idx, j))
         else:
             draft = q
-        r = tl.where(ok, tl.maximum(tl.math.div_rn(r, mass) - draft, 0.0), r)
+        r = tl.where(ok, _clamp_positive(tl.math.div_rn(r, mass) - draft), r)
     return r, gone
 
 
@@ -198,7 +205,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                                            applied, idx, MODE == 2)
                     if MODE == 2:
                         qv = _wor_draft(qv, gone_v, q_mass)
-                    nv = tl.maximum(tl.math.div_rn(rv, p_mass) - qv, 0.0)
+                    nv = _clamp_positive(tl.math.div_rn(rv, p_mass) - qv)
                     nv = tl.where(mask, nv, 0.0)
                     lane_mass += nv
                     lane_has = tl.maximum(lane_has, (nv > 0.0).to(tl.int32))
@@ -235,6 +242,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     # of the winning group. Greedy: the arg-max from the stats, no pass.
     best_group = tl.full([], -1, tl.int32)
     best_group_score = tl.full([], -1.0, tl.float32)
+    has_nan = tl.full([], 0, tl.int1)  # a NaN weight (garbage draft_probs) emits -1, as in the reference
     if temperature != 0.0:
         for group_start in range(0, V, GROUP):
             lane_mass = tl.zeros([BLOCK], tl.float32)
@@ -244,7 +252,8 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                                            norm, scale, steps, masses, q_masses, tokens,
                                            applied, idx, MODE)
             group = group_start // GROUP
-            mass = tl.sum(lane_mass, axis=0)
+            mass = tl.sum(lane_mass, axis=0)  # NaN when a weight is
+            has_nan = has_nan | (mass != mass)
             noise = trng.group_noise(seed, offset, current, trng.PURPOSE_RESAMPLE, group)
             score = tl.where(mass > 0.0, tl.math.div_rn(mass, noise), -1.0)
             best_group = tl.where(score > best_group_score, group, best_group)
@@ -267,7 +276,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
             lane_best = tl.where(take, score, lane_best)
             lane_idx = tl.where(take, offs, lane_idx)
     best, best_idx = _tile_best(lane_best, lane_idx)
-    sampled = tl.where(best >= 0.0, best_idx, -1)
+    sampled = tl.where((best >= 0.0) & (~has_nan), best_idx, -1)
     if MODE == 0:
         # Removals left no mass (rounding only): the last removed token was all that remained.
         sampled = tl.where((sampled < 0) & (last_removed >= 0), last_removed, sampled)
