@@ -126,8 +126,8 @@ def test_triton_garbage_draft_probs_like_reference(mode, garbage):
     logits = torch.randn(batch, nodes, vocab, generator=gen)
     q = torch.softmax(torch.randn(batch, nodes, vocab, generator=gen), -1)
     q[:, :, 7] = {"nan": float("nan"), "inf": float("inf"), "negative": -0.5}[garbage]
-    kw = dict(draft_probs=q.to(DEVICE), draft_sampling=mode, seed=torch.arange(batch, device=DEVICE),
-              offset=1)
+    kw = dict(draft_probs=q.to(DEVICE), draft_sampling=mode,
+              seed=torch.arange(batch, device=DEVICE), offset=1)
     args = (logits.to(DEVICE), tokens.to(DEVICE), parents.to(DEVICE))
     ref = sk.verify_tree(*args, backend="reference", **kw)
     tri = sk.verify_tree(*args, backend="triton", **kw)

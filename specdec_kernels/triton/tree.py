@@ -242,7 +242,8 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     # of the winning group. Greedy: the arg-max from the stats, no pass.
     best_group = tl.full([], -1, tl.int32)
     best_group_score = tl.full([], -1.0, tl.float32)
-    has_nan = tl.full([], 0, tl.int1)  # a NaN weight (garbage draft_probs) emits -1, as in the reference
+    # A NaN weight (garbage draft_probs) emits -1, as in the reference.
+    has_nan = tl.full([], 0, tl.int1)
     if temperature != 0.0:
         for group_start in range(0, V, GROUP):
             lane_mass = tl.zeros([BLOCK], tl.float32)
