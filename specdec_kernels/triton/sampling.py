@@ -722,7 +722,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     scale = exp2_scale(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
-    if STAGE == 2:
+    if STAGE == 2:  # STAGE_TOKENS
         num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_ptr,
                                               draft_ids_ptr, stride_ids, V, K, IS_CHAIN)
     elif IS_CHAIN:
@@ -731,7 +731,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
             stride_q_row, q_stats_ptr, draft_ids_ptr, stride_ids, num_draft, greedy, scale,
             seed, offset, V, K, Q_MODE)
-        if STAGE == 1:
+        if STAGE == 1:  # STAGE_GROUPS
             if chunk == 0:  # the token itself follows from STAGE_TOKENS
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
                                  num_accepted, -1, K, K_P2)
@@ -770,7 +770,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
         q_base = tl.where(q_max > float("-inf"), q_max, 0.0)
         q_inv_norm = tl.where(q_norm > 0.0, 1.0 / q_norm, 0.0)
 
-    if STAGE == 2:
+    if STAGE == 2:  # STAGE_TOKENS
         chunks = tl.arange(0, CHUNKS_P2)
         valid = chunks < NUM_CHUNKS
         part = req * NUM_CHUNKS + chunks
@@ -807,7 +807,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                     row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
                     q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
                     PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK)
-        if STAGE == 1:
+        if STAGE == 1:  # STAGE_GROUPS
             part = req * NUM_CHUNKS + chunk
             tl.store(part_score_ptr + part * 2 + 0, best_p)
             tl.store(part_score_ptr + part * 2 + 1, best_r)
@@ -815,7 +815,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
             tl.store(part_index_ptr + part * 3 + 1, group_r)
             tl.store(part_index_ptr + part * 3 + 2, has_nan)
 
-    if STAGE != 1:
+    if STAGE != 1:  # not STAGE_GROUPS
         # The token: greedy arg-max; else the residual's race when it has mass (a NaN in the
         # residual gives -1, as the reference's amax does); else the race over p; -1 when
         # the winning race had no positive weight. Always -1 or a raced index, so in [0, V).
@@ -841,7 +841,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                     q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
                     PURPOSE, Q_MODE, False, GROUP, BLOCK)
         if IS_CHAIN:
-            if STAGE == 0:
+            if STAGE == 0:  # STAGE_BOTH
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
                                  num_accepted, token, K, K_P2)
                 tl.store(num_accepted_ptr + req, num_accepted)
