@@ -13,7 +13,7 @@ the request's block table, or in a block outside the pool), a negative ``kv_lens
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 

@@ -75,7 +75,6 @@ def walk_tree(p: torch.Tensor, q: Optional[torch.Tensor], tree_token_ids: torch.
     the acceptance uniforms ``[B, N]`` (column ``i`` tests node ``i``)."""
     batch, nodes, vocab = p.shape
     device = p.device
-    rows = torch.arange(batch, device=device)
     real = real_nodes(tree_token_ids, parents, num_nodes, vocab)
     par = parents.to(torch.int64)
     ids = torch.where(real, tree_token_ids.to(torch.int64), 0)
