@@ -355,6 +355,17 @@ def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greed
 
 
 @triton.jit
+def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr):
+    """Row ``r`` of the statistics: its request, the row's pointer, whether the request is
+    greedy and its ``exp2_scale``."""
+    req = r // rows_per_req
+    row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
+               + (r % rows_per_req).to(tl.int64) * stride_row)
+    temperature = tl.load(temperature_ptr + req)
+    return req, row_ptr, temperature == 0.0, exp2_scale(temperature)
+
+
+@triton.jit
 def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                       temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                       part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V, chunk_size,
@@ -376,11 +387,8 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
     """
     r = tl.program_id(0)
     chunk = tl.program_id(1)
-    req = r // rows_per_req
-    row_ptr = logits_ptr + req.to(tl.int64) * stride_req + (r % rows_per_req).to(tl.int64) * stride_row
-    temperature = tl.load(temperature_ptr + req)
-    greedy = temperature == 0.0
-    scale = exp2_scale(temperature)
+    req, row_ptr, greedy, scale = _stats_row(r, logits_ptr, stride_req, stride_row,
+                                             rows_per_req, temperature_ptr)
     start_v = chunk * chunk_size
     end_v = tl.minimum(start_v + chunk_size, V)
     x_max, total, best, x_min, num_finite = _stream_stats(
@@ -411,11 +419,8 @@ def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
     ``_row_stats_kernel`` does. Bytes: reads 20 B per chunk (plus the pivot passes of rows
     whose filters are active), writes 16 B."""
     r = tl.program_id(0)
-    req = r // rows_per_req
-    row_ptr = logits_ptr + req.to(tl.int64) * stride_req + (r % rows_per_req).to(tl.int64) * stride_row
-    temperature = tl.load(temperature_ptr + req)
-    greedy = temperature == 0.0
-    scale = exp2_scale(temperature)
+    req, row_ptr, greedy, scale = _stats_row(r, logits_ptr, stride_req, stride_row,
+                                             rows_per_req, temperature_ptr)
     chunks = tl.arange(0, CHUNKS_P2)
     valid = chunks < NUM_CHUNKS
     part = r * NUM_CHUNKS + chunks
