@@ -184,6 +184,40 @@ def test_multi_group_race(monkeypatch, mode, chunk):
     assert same.all()
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("race_chunk", [None, 64])
+def test_split_unfiltered_statistics_merged_by_the_race(monkeypatch, mode, race_chunk):
+    """Rows split over programs with no filter on: the race merges the partials itself (no
+    finish kernel) in its acceptance replay and its row, in one program or in chunks, and
+    the tokens equal the reference (greedy, sampled and no-finite-logit rows)."""
+    from specdec_kernels import _rng
+    from specdec_kernels.triton import sampling as tsampling
+    monkeypatch.setattr(_rng, "RACE_GROUP", 32)
+    monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", 100)
+    monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", race_chunk)
+    launched = []
+    finish_kernel = tsampling._row_stats_finish_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return finish_kernel[grid]
+    monkeypatch.setattr(tsampling, "_row_stats_finish_kernel", Spy())
+    gen = torch.Generator().manual_seed(13)
+    batch, num_drafts, vocab = 10, 3, 450
+    params = dict(temperature=torch.tensor([0.0, 1.0, 0.6, 1.4, 0.0] * 2))
+    target, drafts, kwargs = _problem(batch, num_drafts, vocab, torch.bfloat16, mode, gen,
+                                      dict(params, top_k=torch.zeros(batch, dtype=torch.long),
+                                           top_p=torch.ones(batch)))
+    target[1, 1] = -torch.inf     # a row with no finite logit
+    target[2, :, :300] = -torch.inf  # the leading chunks of every row masked
+    *_, same = _run(target, drafts, kwargs, params, None, torch.arange(batch) + 21,
+                    torch.full((batch,), 4))
+    assert same.all()
+    # draft logits' rows are still finished by the finish kernel; target rows never are
+    assert len(launched) == (1 if mode == "draft_logits" else 0)
+
+
 def test_large_vocabulary():
     gen = torch.Generator().manual_seed(8)
     vocab = 128256

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import os
 
+import collections
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import specdec_kernels as sk
 from specdec_kernels import _params
 from specdec_kernels.reference import sampling as ref
+from specdec_kernels.triton import sampling as tsampling
 from conftest import mixed_params
 
 pytestmark = pytest.mark.skipif(
@@ -31,8 +36,8 @@ def _logits(shape, dtype, gen, scale=3.0):
 def _stats_probs(logits, params):
     """Probabilities rebuilt from the kernel's row statistics (x_max, x_thr, norm, argmax)."""
     from specdec_kernels.triton.sampling import row_stats
-    stats, argmax = row_stats(logits, params, 1, logits.stride(0), 0)
-    stats, argmax = stats.cpu(), argmax.cpu()
+    result = row_stats(logits, params, 1, logits.stride(0), 0)
+    stats, argmax = result.stats.cpu(), result.argmax.cpu()
     x = logits.float().cpu()
     x = torch.where(torch.isfinite(x), x, -torch.inf)
     t = params.temperature.cpu()[:, None]
@@ -185,6 +190,64 @@ def test_split_row_statistics_equal_one_program_per_row(monkeypatch, dtype):
         assert int(split[1][3]) == 10
         assert torch.equal(split[0][:, :2], whole[0][:, :2]), "x_max and the top-k/top-p cut"
         torch.testing.assert_close(split[0][:, 2], whole[0][:, 2], rtol=2e-6, atol=0)
+
+
+@triton.jit
+def _read_row_stats(stats_ptr, argmax_ptr, temperature_ptr, out_f_ptr, out_i_ptr,
+                    STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr):
+    """Row r's statistics as a consuming kernel sees them (``load_row_stats``)."""
+    r = tl.program_id(0)
+    scale = tsampling.exp2_scale(tl.load(temperature_ptr + r))
+    x_max, x_thr, norm, argmax = tsampling.load_row_stats(
+        stats_ptr, argmax_ptr, r, tl.full([], 1, tl.int1), scale, STATS_CHUNKS, STATS_CHUNKS_P2)
+    tl.store(out_f_ptr + r * 3 + 0, x_max)
+    tl.store(out_f_ptr + r * 3 + 1, x_thr)
+    tl.store(out_f_ptr + r * 3 + 2, norm)
+    tl.store(out_i_ptr + r, argmax)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_consumers_merge_unfiltered_partials_as_the_finish_kernel(monkeypatch, dtype):
+    """Split rows with no filter on: ``row_stats(merge_in_consumer=True)`` skips the finish
+    kernel and returns the partials, and a consuming kernel's ``load_row_stats`` reads from
+    them exactly the finish kernel's statistics (every bit, greedy and sampled rows, rows
+    with no finite logit or a NaN). Filtered rows are still finished (their search)."""
+    gen = torch.Generator().manual_seed(12)
+    batch, vocab = 9, 1000
+    logits = _logits((batch, vocab), dtype, gen)
+    logits[1, :700] = -torch.inf
+    logits[2] = -torch.inf
+    logits[3, 10] = logits[3, 900] = 50.0
+    logits[4, 5] = torch.nan
+    temperature = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 2.0, 0.0, 0.5, 1.0], device=DEVICE)
+    params = _params.sampling_params(temperature, None, None, batch=batch, vocab_size=vocab,
+                                     device=logits.device, validate=True)
+    monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", 100)
+    finished = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
+    launches = collections.Counter()
+    finish_kernel = tsampling._row_stats_finish_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches["finish"] += 1
+            return finish_kernel[grid]
+    monkeypatch.setattr(tsampling, "_row_stats_finish_kernel", Spy())
+    partials = tsampling.row_stats(logits, params, 1, logits.stride(0), 0, merge_in_consumer=True)
+    assert partials.chunks == tsampling.stats_chunks(batch, vocab, logits.device)[1] > 1
+    assert launches["finish"] == 0
+    out_f = torch.empty((batch, 3), dtype=torch.float32, device=DEVICE)
+    out_i = torch.empty(batch, dtype=torch.int32, device=DEVICE)
+    _read_row_stats[(batch,)](partials.stats, partials.argmax, params.temperature, out_f, out_i,
+                              **partials.constexprs())
+    assert finished.chunks == 1
+    assert torch.equal(out_f.view(torch.int32), finished.stats.view(torch.int32))
+    assert torch.equal(out_i, finished.argmax)
+    # Filters on: the finish kernel runs (it searches the thresholds), whatever the caller asks.
+    filtered = _params.sampling_params(temperature, 5, None, batch=batch, vocab_size=vocab,
+                                       device=logits.device, validate=True)
+    assert tsampling.row_stats(logits, filtered, 1, logits.stride(0), 0,
+                               merge_in_consumer=True).chunks == 1
+    assert launches["finish"] == 1
 
 
 @pytest.mark.parametrize("candidates", [0, 12, 2048])

@@ -114,6 +114,25 @@ def test_triton_multi_group_race(monkeypatch, mode):
     test_triton_chain_shaped_tree_equals_triton_chain()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_split_unfiltered_statistics(monkeypatch, mode):
+    """Node rows split over programs with no filter on: the walk merges the partials as it
+    reads each row (no finish kernel) and still equals the reference."""
+    from specdec_kernels.triton import sampling as tsampling
+    monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", 16)
+    launched = []
+    finish_kernel = tsampling._row_stats_finish_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return finish_kernel[grid]
+    monkeypatch.setattr(tsampling, "_row_stats_finish_kernel", Spy())
+    _compare(12, 10, 61, mode, torch.float32, seed=5 + MODES.index(mode),
+             temperature=torch.tensor([0.0, 0.8, 1.0, 1.3] * 3, device=DEVICE))
+    assert not launched
+
+
 @pytest.mark.parametrize("mode", ["iid", "without_replacement"])
 @pytest.mark.parametrize("garbage", ["nan", "inf", "negative"])
 def test_triton_garbage_draft_probs_like_reference(mode, garbage):

@@ -117,8 +117,9 @@ def _ours(backend: str, case: Case):
 def _triton_parts(case: Case, temperature: float) -> list:
     """Where the fused pipeline's time goes, and what an engine that keeps its fp32 copy pays:
 
-    * stage ``1_row_stats`` of ``triton``: the statistics pass alone (the one full read of the
-      target logits; acceptance and the race read one row per request);
+    * stage ``1_row_stats`` of ``triton``: the statistics as the pipeline launches them (the
+      one full read of the target logits, plus the finish kernel when split rows are
+      filtered; acceptance and the race read one row per request);
     * backend ``fp32copy+triton``: the engine's fp32 copy with temperature (torch), then our
       fused kernels on that copy -- the cost of the copy with everything else ours.
     """
@@ -137,7 +138,8 @@ def _triton_parts(case: Case, temperature: float) -> list:
 
     def stats(y):
         logits, params = y
-        return tsampling.row_stats(logits, params, logits.shape[1], logits.stride(0), logits.stride(1))
+        return tsampling.row_stats(logits, params, logits.shape[1], logits.stride(0),
+                                   logits.stride(1), merge_in_consumer=True)
 
     parts = [Impl("triton", stats, kind="stage", stage="1_row_stats", prepare=prepare_stats)]
     if temperature > 0 and not _filters(case):

@@ -20,6 +20,8 @@ decision falls within that rounding of its threshold (measured in the tests).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -237,15 +239,22 @@ def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, n_cand,
 # ----------------------------------------------------------------------------- row statistics
 
 @triton.jit
-def _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale):
-    """Merges per-lane (or per-chunk) statistics: the row max, ``sum(exp(z))`` relative to it,
-    the lowest arg-max id (2**31 - 1 without a finite logit), the finite min and count."""
+def _merge_max_sum(lane_max, lane_sum, lane_arg, scale):
+    """Merges per-lane (or per-chunk) online-softmax statistics: the row max, ``sum(exp(z))``
+    relative to it and the lowest arg-max id (2**31 - 1 without a finite logit)."""
     x_max = tl.max(lane_max, axis=0)
     # Lanes without a finite logit hold sum 0 at max -inf (skipped: -inf - -inf is NaN).
     lane_live = lane_max > float("-inf")
     lane_scale = tl.exp2(tl.where(lane_live, lane_max - x_max, 0.0) * scale)
     total = tl.sum(tl.where(lane_live, lane_sum * lane_scale, 0.0), axis=0)
     best = tl.min(tl.where(lane_live & (lane_max == x_max), lane_arg, 2147483647), axis=0)
+    return x_max, total, best
+
+
+@triton.jit
+def _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale):
+    """``_merge_max_sum``, and the finite min and count (the filters' search range)."""
+    x_max, total, best = _merge_max_sum(lane_max, lane_sum, lane_arg, scale)
     return x_max, total, best, tl.min(lane_min, axis=0), tl.sum(lane_count, axis=0)
 
 
@@ -435,6 +444,37 @@ def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                 USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
 
 
+@triton.jit
+def load_row_stats(stats_ptr, argmax_ptr, row, mask, scale, STATS_CHUNKS: tl.constexpr,
+                   STATS_CHUNKS_P2: tl.constexpr):
+    """``(x_max, x_thr, norm, argmax)`` of statistics row ``row`` for a kernel that consumes
+    ``row_stats`` (``(-inf, 0, 1, -1)`` where ``mask`` is false).
+
+    STATS_CHUNKS == 1: the row as ``_finish_row`` stored it. Otherwise ``stats_ptr`` and
+    ``argmax_ptr`` hold the STATS_CHUNKS partials of an unfiltered row (``row_stats`` with
+    ``merge_in_consumer``), merged here with the finish kernel's operations in its order, so
+    the result is the same to the bit and the finish kernel's launch is saved. Reads 12 B per
+    chunk."""
+    if STATS_CHUNKS == 1:
+        x_max = tl.load(stats_ptr + row * 3 + 0, mask=mask, other=float("-inf"))
+        x_thr = tl.load(stats_ptr + row * 3 + 1, mask=mask, other=0.0)
+        norm = tl.load(stats_ptr + row * 3 + 2, mask=mask, other=1.0)
+        argmax = tl.load(argmax_ptr + row, mask=mask, other=-1)
+    else:
+        chunks = tl.arange(0, STATS_CHUNKS_P2)
+        valid = (chunks < STATS_CHUNKS) & mask
+        part = row * STATS_CHUNKS + chunks
+        x_max, total, best = _merge_max_sum(
+            tl.load(stats_ptr + part * 3 + 0, mask=valid, other=float("-inf")),
+            tl.load(stats_ptr + part * 3 + 1, mask=valid, other=0.0),
+            tl.load(argmax_ptr + part * 2 + 0, mask=valid, other=2147483647), scale)
+        x_thr = tl.where(mask, float("-inf"), 0.0)
+        norm = tl.where(mask, total, 1.0)
+        # A row with no finite logit: id 0, never emitted (as _finish_row).
+        argmax = tl.where(mask, tl.where(x_max > float("-inf"), best, 0), -1)
+    return x_max, x_thr, norm, argmax
+
+
 # ----------------------------------------------------------------------------- the race
 
 @triton.jit
@@ -601,7 +641,8 @@ def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
 @triton.jit
 def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
                    q_ptr, stride_q_req, stride_q_row, q_stats_ptr, draft_ids_ptr, stride_ids,
-                   num_draft, greedy, scale, seed, offset, V, K, Q_MODE: tl.constexpr):
+                   num_draft, greedy, scale, seed, offset, V, K, Q_MODE: tl.constexpr,
+                   STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr):
     """The chain's acceptance loop for request ``req`` (contract section 3): returns
     ``(num_accepted, rejected)``, ``rejected`` when a live, in-range draft was rejected (its
     residual is sampled next). Reads, per live draft, the id,
@@ -623,11 +664,8 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
         draft = tl.load(ids_row + j, mask=live, other=0).to(tl.int64)
         valid = live & (draft >= 0) & (draft < V)
         token = tl.where(valid, draft, 0)
-        row = req * (K + 1) + j
-        x_max = tl.load(stats_ptr + row * 3 + 0, mask=valid, other=float("-inf"))
-        x_thr = tl.load(stats_ptr + row * 3 + 1, mask=valid, other=0.0)
-        norm = tl.load(stats_ptr + row * 3 + 2, mask=valid, other=1.0)
-        argmax = tl.load(argmax_ptr + row, mask=valid, other=-1)
+        x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * (K + 1) + j,
+                                                    valid, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
         p = processed_prob(load_logits(logits_row + j64 * stride_row, token, valid),
                            x_max, x_thr, norm, scale)
         if Q_MODE == 2:
@@ -698,6 +736,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  part_score_ptr, part_index_ptr, V, K, chunk_size,
                  PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
                  STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                 STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                  GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                  K_P2: tl.constexpr):
     """One correction/bonus (chain) or sample token per request, by the two-level race over
@@ -735,7 +774,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
         num_accepted, rejected = _accept_drafts(
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
             stride_q_row, q_stats_ptr, draft_ids_ptr, stride_ids, num_draft, greedy, scale,
-            seed, offset, V, K, Q_MODE)
+            seed, offset, V, K, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2)
         if STAGE == 1:  # STAGE_GROUPS
             if chunk == 0:  # the token itself follows from STAGE_TOKENS
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
@@ -747,9 +786,9 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     row = req * rows_per_req + num_accepted
     row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
                + num_accepted.to(tl.int64) * stride_row)
-    x_max = tl.load(stats_ptr + row * 3 + 0)
-    x_thr = tl.load(stats_ptr + row * 3 + 1)
-    norm = tl.load(stats_ptr + row * 3 + 2)
+    x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, row,
+                                                tl.full([], 1, tl.int1), scale,
+                                                STATS_CHUNKS, STATS_CHUNKS_P2)
     x_base = tl.where(x_max > float("-inf"), x_max, 0.0)
     inv_norm = tl.where(norm > 0.0, 1.0 / norm, 0.0)
 
@@ -824,7 +863,6 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
         # The token: greedy arg-max; else the residual's race when it has mass (a NaN in the
         # residual gives -1, as the reference's amax does); else the race over p; -1 when
         # the winning race had no positive weight. Always -1 or a raced index, so in [0, V).
-        argmax = tl.load(argmax_ptr + row)
         token = tl.where(x_max > float("-inf"), argmax, -1)
         if temperature != 0.0:
             token = tl.full([], -1, tl.int32)
@@ -928,18 +966,32 @@ def stats_chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int,
     return chunk, cdiv(vocab, chunk), block
 
 
+class RowStats(NamedTuple):
+    """What ``row_stats`` leaves for the kernels that consume it (``load_row_stats``)."""
+    stats: torch.Tensor   # float32 [rows, 3] (x_max, x_thr, norm); partials: [rows, chunks, 3]
+    argmax: torch.Tensor  # int32 [rows]; partials: [rows, chunks, 2] (arg-max, finite count)
+    chunks: int           # 1: finished rows; > 1: unmerged partials (the STATS_CHUNKS constexpr)
+
+    def constexprs(self) -> dict:
+        return dict(STATS_CHUNKS=self.chunks, STATS_CHUNKS_P2=next_pow2(self.chunks))
+
+
 def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
-              stride_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+              stride_row: int, *, merge_in_consumer: bool = False) -> RowStats:
     """Launch ``_row_stats_kernel`` (and ``_row_stats_finish_kernel`` when rows are split)
     over ``rows`` = numel / V rows of ``logits`` (``[..., V]``, last dim contiguous), request
-    ``row // rows_per_req``. Returns (stats float32 [rows, 3], argmax int32 [rows])."""
+    ``row // rows_per_req``.
+
+    ``merge_in_consumer``: when rows are split and no filter is on, the finish kernel would
+    only merge the partials; skip its launch and return the partials, which the consuming
+    kernel merges as it reads a row (``load_row_stats``). Filtered rows are always finished
+    here (their threshold search runs in the finish kernel)."""
     vocab = logits.shape[-1]
     rows = logits.numel() // vocab
     device = logits.device
-    stats = torch.empty((rows, 3), dtype=torch.float32, device=device)
-    argmax = torch.empty(rows, dtype=torch.int32, device=device)
     if rows == 0:
-        return stats, argmax
+        return RowStats(torch.empty((0, 3), dtype=torch.float32, device=device),
+                        torch.empty(0, dtype=torch.int32, device=device), 1)
     chunk, num_chunks, block = stats_chunks(rows, vocab, device)
     if num_chunks > 1:
         part_f = torch.empty((rows, num_chunks, 3), dtype=torch.float32, device=device)
@@ -948,6 +1000,12 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
         part_f, part_i = scratch(device, torch.float32), scratch(device, torch.int32)
     use_top_k = bool(params.uses_top_k) and not params.all_greedy
     use_top_p = bool(params.uses_top_p) and not params.all_greedy
+    finish = num_chunks > 1 and (use_top_k or use_top_p or not merge_in_consumer)
+    if num_chunks == 1 or finish:
+        stats = torch.empty((rows, 3), dtype=torch.float32, device=device)
+        argmax = torch.empty(rows, dtype=torch.int32, device=device)
+    else:
+        stats, argmax = scratch(device, torch.float32), scratch(device, torch.int32)
     cap = SEARCH_CANDIDATES if (use_top_k or use_top_p) else 0
     if cap > 0:
         cand_key = torch.empty((rows, cap), dtype=torch.int32, device=device)
@@ -963,14 +1021,17 @@ def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
     _row_stats_kernel[(rows, num_chunks)](
         *args, chunk, BLOCK=block, R=STATS_R, BLOCK_S=block_s, UNROLL_S=unroll_s,
         NUM_PIVOTS=num_pivots, **options, **filters)
-    if num_chunks > 1:
-        if cap > 0 and not interpreted(device):
-            options = dict(num_warps=FINISH_SEARCH_WARPS)
-        block_s, unroll_s, num_pivots = _search_config(vocab, device, options["num_warps"])
-        _row_stats_finish_kernel[(rows,)](
-            *args, CHUNKS_P2=next_pow2(num_chunks), BLOCK_S=block_s, UNROLL_S=unroll_s,
-            NUM_PIVOTS=num_pivots, **options, **filters)
-    return stats, argmax
+    if num_chunks == 1:
+        return RowStats(stats, argmax, 1)
+    if not finish:
+        return RowStats(part_f, part_i, num_chunks)
+    if cap > 0 and not interpreted(device):
+        options = dict(num_warps=FINISH_SEARCH_WARPS)
+    block_s, unroll_s, num_pivots = _search_config(vocab, device, options["num_warps"])
+    _row_stats_finish_kernel[(rows,)](
+        *args, CHUNKS_P2=next_pow2(num_chunks), BLOCK_S=block_s, UNROLL_S=unroll_s,
+        NUM_PIVOTS=num_pivots, **options, **filters)
+    return RowStats(stats, argmax, 1)
 
 
 # Register bound (PTX .maxnreg) of the race on a GPU. Without one, ptxas settles at 80
@@ -1011,7 +1072,7 @@ def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int,
 
 
 def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: int,
-         stats: torch.Tensor, argmax: torch.Tensor, params, seeds: torch.Tensor,
+         stats: RowStats, params, seeds: torch.Tensor,
          offsets: torch.Tensor, out: torch.Tensor, stride_out: int, *, purpose: int,
          q: torch.Tensor | None = None, q_mode: int = Q_NONE, q_strides=(0, 0),
          q_stats: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None,
@@ -1031,7 +1092,7 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
         if num_chunks > 1 else dummy_f
     part_index = torch.empty((batch, num_chunks, 3), dtype=torch.int32, device=device) \
         if num_chunks > 1 else dummy_i
-    args = (logits, stride_req, stride_row, rows_per_req, stats, argmax,
+    args = (logits, stride_req, stride_row, rows_per_req, stats.stats, stats.argmax,
             q if q is not None else dummy_f, q_strides[0], q_strides[1],
             q_stats if q_stats is not None else dummy_f,
             draft_ids if draft_ids is not None else dummy_i,
@@ -1042,7 +1103,8 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
             vocab, num_drafts, chunk)
     constexprs = dict(PURPOSE=purpose, IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=num_chunks,
                       CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
-                      BLOCK=block, K_P2=next_pow2(num_drafts + 1), **launch_options(device, 4))
+                      BLOCK=block, K_P2=next_pow2(num_drafts + 1), **stats.constexprs(),
+                      **launch_options(device, 4))
     if num_chunks == 1:
         _race_kernel[(batch, 1)](*args, STAGE=STAGE_BOTH, **constexprs)
     else:
@@ -1057,15 +1119,15 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, params, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """int32 ``[B]``: one token per row of ``logits`` ``[B, V]`` from the processed distribution
     (-1 for a row with no finite logit). Two launches (stats, race), plus the statistics'
-    merge when rows are split and the race's second stage when V is; no host
-    synchronisation."""
+    finish when rows are split and filtered (unfiltered partials are merged by the race) and
+    the race's second stage when V is split; no host synchronisation."""
     logits = _last_dim_contiguous(logits)
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int32, device=logits.device)
     if batch == 0:
         return out
-    stats, argmax = row_stats(logits, params, 1, logits.stride(0), 0)
-    race(logits, logits.stride(0), 0, 1, stats, argmax, params, seeds, offsets, out, 1,
+    stats = row_stats(logits, params, 1, logits.stride(0), 0, merge_in_consumer=True)
+    race(logits, logits.stride(0), 0, 1, stats, params, seeds, offsets, out, 1,
          purpose=PURPOSE_SAMPLE)
     return out
 
@@ -1104,13 +1166,15 @@ def _stats_finish_spec(dtype: str, key_shift: int, filters: bool, chunks: int) -
 
 
 def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True,
-               stage: int | None = None) -> dict:
+               stage: int | None = None, stats_chunks: int = 1) -> dict:
     mode = ["p", "one_hot", "draft_probs", "draft_logits"][q_mode]
     if stage is None:
         stage = STAGE_BOTH if chunks == 1 else STAGE_GROUPS
     stage_name = ["", ",groups", ",tokens"][stage]
+    stats_name = f",stats_chunks={stats_chunks}" if stats_chunks > 1 else ""
     return dict(
-        name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}]",
+        name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}"
+             f"{stats_name}]",
         kernel=_race_kernel,
         signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
                        rows_per_req="i32", stats_ptr="*fp32", argmax_ptr="*i32",
@@ -1122,8 +1186,9 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                        chunk_size="i32"),
         constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                         IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
-                        CHUNKS_P2=next_pow2(chunks), GROUP=_rng.RACE_GROUP, MASS_BLOCK=1024,
-                        BLOCK=512, K_P2=8 if is_chain else 1),
+                        CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,
+                        STATS_CHUNKS_P2=next_pow2(stats_chunks), GROUP=_rng.RACE_GROUP,
+                        MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1),
         num_warps=4, maxnreg=MAX_REGISTERS)
 
 
@@ -1135,9 +1200,11 @@ COMPILE_SPECS = [
     _stats_spec("bf16", 16, False, chunks=4), _stats_spec("bf16", 16, True, chunks=4),
     _stats_finish_spec("bf16", 16, False, 4), _stats_finish_spec("bf16", 16, True, 16),
     _stats_finish_spec("fp32", 0, True, 2), _stats_finish_spec("fp16", 13, True, 8),
-    _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False),
-    _race_spec("bf16", "fp32", Q_ONE_HOT, 8), _race_spec("bf16", "fp32", Q_PROBS, 1),
+    _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False, stats_chunks=16),
+    _race_spec("bf16", "fp32", Q_ONE_HOT, 8, stats_chunks=4),
+    _race_spec("bf16", "fp32", Q_PROBS, 1),
     _race_spec("bf16", "bf16", Q_LOGITS, 8), _race_spec("fp32", "fp32", Q_LOGITS, 1),
-    _race_spec("bf16", "fp32", Q_PROBS, 8, stage=STAGE_TOKENS),
+    _race_spec("bf16", "fp32", Q_PROBS, 8, stats_chunks=4),
+    _race_spec("bf16", "fp32", Q_PROBS, 8, stage=STAGE_TOKENS, stats_chunks=4),
     _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS),
 ]

@@ -4,7 +4,9 @@ Launches, both asynchronous (no host synchronisation, CUDA-graph capturable with
 
 1. ``_row_stats_kernel`` (``sampling.py``, shared with the chain) over the ``B*N`` node rows:
    one streaming pass per row (plus pivot passes for rows whose top-k/top-p is active), so
-   ``p(x)`` of any token is one gathered logit and three floats.
+   ``p(x)`` of any token is one gathered logit and three floats. Rows split over programs
+   are merged by ``_row_stats_finish_kernel`` when filtered, else by the walk as it reads
+   them (``load_row_stats``).
 2. ``_tree_walk_kernel`` (grid B): the walk of ``reference/tree.py`` for one request, node by
    node in index order. Acceptance needs only gathered values: ``p(x)``, ``q(x)``, the
    request's uniform, and -- after rejections at the current node -- a few per-rejection
@@ -37,8 +39,8 @@ from .._params import scratch
 from . import _rng as trng
 from ._launch import next_pow2
 from .sampling import (MAX_REGISTERS, _last_dim_contiguous, _tile_best, block_size,
-                       exp2_scale, launch_options, load_logits, processed_prob, quad_offsets,
-                       row_stats)
+                       exp2_scale, launch_options, load_logits, load_row_stats, processed_prob,
+                       quad_offsets, row_stats)
 
 MODE_DETERMINISTIC, MODE_IID, MODE_WITHOUT_REPLACEMENT = 0, 1, 2
 _MODES = {"iid": MODE_IID, "without_replacement": MODE_WITHOUT_REPLACEMENT}
@@ -110,7 +112,8 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                       num_nodes_ptr, temperature_ptr, seed_ptr, offset_ptr,
                       out_ptr, path_ptr, num_accepted_ptr, V, N,
                       MODE: tl.constexpr, N_P2: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+                      STATS_CHUNKS_P2: tl.constexpr):
     """The walk and the final sample of one request (grid B).
 
     Bytes per request: per node, its parent and id (8-16 B); per tested child, 12 + 4 B of
@@ -156,11 +159,8 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
         real = (node < num_nodes) & (parent >= 0) & (parent < node) & (token >= 0) & (token < V)
         tested = real & (parent == current)
         token = tl.where(tested, token, 0)
-        row = req * N + current
-        x_max = tl.load(stats_ptr + row * 3 + 0, mask=tested, other=float("-inf"))
-        x_thr = tl.load(stats_ptr + row * 3 + 1, mask=tested, other=0.0)
-        norm = tl.load(stats_ptr + row * 3 + 2, mask=tested, other=1.0)
-        argmax = tl.load(argmax_ptr + row, mask=tested, other=-1)
+        x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * N + current,
+                                                    tested, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
         row_ptr = logits_req + current.to(tl.int64) * stride_ln
         q_row_ptr = q_req + current.to(tl.int64) * stride_qn
         p_x = processed_prob(load_logits(row_ptr, token, tested), x_max, x_thr, norm, scale)
@@ -230,11 +230,9 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
         last_removed = tl.where(accept, -1, last_removed)
 
     # The correction (rejections pending) or bonus token, from the current node's row.
-    row = req * N + current
-    x_max = tl.load(stats_ptr + row * 3 + 0)
-    x_thr = tl.load(stats_ptr + row * 3 + 1)
-    norm = tl.load(stats_ptr + row * 3 + 2)
-    argmax = tl.load(argmax_ptr + row)
+    x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * N + current,
+                                                tl.full([], 1, tl.int1), scale, STATS_CHUNKS,
+                                                STATS_CHUNKS_P2)
     row_ptr = logits_req + current.to(tl.int64) * stride_ln
     q_row_ptr = q_req + current.to(tl.int64) * stride_qn
     # The two-level race (see _rng): first the groups of GROUP tokens by their mass of the
@@ -307,8 +305,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
         return out, path, num_accepted
     ids = tree_token_ids if tree_token_ids.stride(-1) == 1 else tree_token_ids.contiguous()
     par = parents if parents.stride(-1) == 1 else parents.contiguous()
-    stats, argmax = row_stats(target_logits, params, nodes, target_logits.stride(0),
-                              target_logits.stride(1))
+    stats = row_stats(target_logits, params, nodes, target_logits.stride(0),
+                      target_logits.stride(1), merge_in_consumer=True)
     if draft_probs is None:
         mode, q, q_strides = MODE_DETERMINISTIC, scratch(device, torch.float32), (0, 0)
     else:
@@ -316,13 +314,13 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
         q = _last_dim_contiguous(draft_probs)
         q_strides = (q.stride(0), q.stride(1))
     _tree_walk_kernel[(batch,)](
-        target_logits, target_logits.stride(0), target_logits.stride(1), stats, argmax,
-        q, q_strides[0], q_strides[1], ids, ids.stride(0), par, par.stride(0),
+        target_logits, target_logits.stride(0), target_logits.stride(1), stats.stats,
+        stats.argmax, q, q_strides[0], q_strides[1], ids, ids.stride(0), par, par.stride(0),
         num_nodes.to(torch.int32).contiguous(), params.temperature, seeds, offsets,
         out, path, num_accepted, vocab, nodes,
         MODE=mode, N_P2=next_pow2(nodes), GROUP=_rng.RACE_GROUP,
         BLOCK=min(block_size(vocab, device, cap_gpu=WALK_BLOCK), _rng.RACE_GROUP),
-        **launch_options(device, WALK_WARPS))
+        **stats.constexprs(), **launch_options(device, WALK_WARPS))
     return out, path, num_accepted
 
 
@@ -346,12 +344,14 @@ WALK_BLOCK = 1024
 WALK_WARPS = 8
 
 COMPILE_SPECS = [
-    {"name": f"tree_walk_{mode_name}_n{n_p2}", "fn": _tree_walk_kernel,
+    {"name": f"tree_walk_{mode_name}_n{n_p2}" + (f"_stats{stats_chunks}" if stats_chunks > 1 else ""),
+     "fn": _tree_walk_kernel,
      "signature": _WALK_SIGNATURE,
-     "constexprs": {"MODE": mode, "N_P2": n_p2, "GROUP": _rng.RACE_GROUP, "BLOCK": WALK_BLOCK},
+     "constexprs": {"MODE": mode, "N_P2": n_p2, "GROUP": _rng.RACE_GROUP, "BLOCK": WALK_BLOCK,
+                    "STATS_CHUNKS": stats_chunks, "STATS_CHUNKS_P2": stats_chunks},
      "num_warps": WALK_WARPS,
      "maxnreg": MAX_REGISTERS}
     for mode_name, mode in (("deterministic", MODE_DETERMINISTIC), ("iid", MODE_IID),
                             ("without_replacement", MODE_WITHOUT_REPLACEMENT))
-    for n_p2 in (8, 64)
+    for n_p2, stats_chunks in ((8, 4), (64, 1))
 ]
