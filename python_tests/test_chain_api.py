@@ -2,6 +2,8 @@
 determinism, batch independence, edge cases, and bad input."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -275,7 +277,12 @@ def _bad_cases():
     yield "top_p", (target, drafts), dict(top_p=0.0)
     yield "top_p", (target, drafts), dict(top_p=torch.tensor([0.5, 1.5]))
     yield "seed", (target, drafts), dict(seed=torch.tensor([1, 2, 3]))
+    yield "seed", (target, drafts), dict(seed=1e30)      # an integral float past 64 bits
     yield "offset", (target, drafts), dict(offset="zero")
+    yield "offset", (target, drafts), dict(offset=-1e30)
+    # Python numbers are checked without a synchronisation, so even with validate=False.
+    yield "temperature", (target, drafts), dict(temperature=-1.0, validate=False)
+    yield "top_p", (target, drafts), dict(top_p=1.5, validate=False)
     yield "backend", (target, drafts), dict(backend="cuda-magic")
 
 
@@ -298,3 +305,55 @@ def test_sample_bad_input():
         sk.sample(torch.randn(2, 4), top_p=2.0)
     with pytest.raises(TypeError, match="logits"):
         sk.processed_probs(torch.ones(2, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("op", ["verify_chain", "sample", "verify_tree"])
+def test_rejected_call_leaves_the_generator_untouched(op):
+    """seed=None draws from torch's generator only once every argument has passed."""
+    target, _, drafts = _problem(batch=2, num_drafts=2, vocab=6)
+    calls = {
+        "verify_chain": lambda: sk.verify_chain(target, drafts, num_draft_tokens=5),
+        "sample": lambda: sk.sample(target[:, 0], top_p=torch.tensor([0.5, 2.0])),
+        "verify_tree": lambda: sk.verify_tree(target, drafts.new_zeros(2, 3),
+                                              torch.tensor([[-1, 0, 0], [-1, 0, 2]])),
+    }
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    with pytest.raises(ValueError):
+        calls[op]()
+    with pytest.raises(ValueError, match="backend"):
+        sk.sample(target[:, 0], backend="nowhere")
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("backend", CHAIN_BACKENDS)
+def test_unvalidated_int64_lengths_clamp_instead_of_wrapping(backend):
+    """validate=False: num_draft_tokens past int32 clamps to K, as any value past K does
+    (narrowed to int32 naively, 2**32 + 1 would wrap to 1)."""
+    target, _, _ = _problem(batch=2, num_drafts=3, vocab=11, seed=3)
+    greedy_drafts = target.argmax(-1)[:, :3]  # every draft accepted
+    out = sk.verify_chain(target, greedy_drafts, temperature=0.0, validate=False,
+                          num_draft_tokens=torch.tensor([2**32 + 1, -2**40]), backend=backend)
+    assert out.num_accepted.tolist() == [3, 0]
+
+
+@pytest.mark.parametrize("backend", SAMPLE_BACKENDS)
+def test_top_k_compares_z_not_the_shifted_logits(backend):
+    """top-k keeps the tokens whose z = x / T reaches the k-th largest z. At T = 1e6,
+    (1e-5 - 1000) and (0 - 1000) round to the same float32, but z = 1e-11 and 0 differ:
+    top-2 keeps tokens 0 and 1 only, on every backend."""
+    logits = torch.tensor([[1000.0, 1e-5, 0.0]]).expand(64, 3).contiguous()
+    probs = sk.processed_probs(logits[:1], temperature=1e6, top_k=2)
+    assert probs[0, 2] == 0 and probs[0, :2].tolist() == pytest.approx([0.5, 0.5], abs=1e-3)
+    tokens = sk.sample(logits, temperature=1e6, top_k=2, seed=torch.arange(64), backend=backend)
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_float64_logits_take_the_reference_path():
+    logits = torch.randn(4, 9, dtype=torch.float64)
+    assert torch.equal(sk.sample(logits, seed=torch.arange(4)),
+                       sk.sample(logits, seed=torch.arange(4), backend="reference"))
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the Triton backend runs on CPU tensors
+        with pytest.raises(TypeError, match="logits"):
+            sk.sample(logits, seed=0, backend="triton")

@@ -240,6 +240,26 @@ def test_extension_strided_caches(layout):
 
 
 @needs_extension
+def test_extension_size_one_head_dim_with_any_stride():
+    """A last dimension of size 1 is contiguous whatever its stride (every ``[..., ::4]`` view of
+    a ``D = 4`` cache): the extension compacts it like the reference, contiguous and paged."""
+    gen = torch.Generator().manual_seed(6)
+    accepted = torch.tensor([[0, 2, 3, -1], [0, 1, 3, -1]])
+    num, kv_lens = torch.tensor([2, 2]), torch.tensor([1, 3])
+    buffer = random_bytes((2, 9, 2, 4), torch.float32, gen)
+    expected = buffer[..., ::4].clone()
+    reference.compact_kv_cache([expected], kv_lens, accepted, num)
+    compact_kv_cache([buffer[..., ::4]], kv_lens, accepted, num, backend="extension")
+    assert_caches_equal([buffer[..., ::4]], [expected])
+    pool = random_bytes((6, 3, 2, 4), torch.float32, gen)
+    tables = torch.tensor([[4, 0, 2], [5, 1, 3]])
+    expected = pool[..., ::4].clone()
+    reference.compact_paged_kv_cache([expected], tables, kv_lens, accepted, num)
+    compact_paged_kv_cache([pool[..., ::4]], tables, kv_lens, accepted, num, backend="extension")
+    assert_caches_equal([pool[..., ::4]], [expected])
+
+
+@needs_extension
 def test_extension_many_layers_and_threads():
     # 64 layer tensors and B = 48: at::parallel_for splits the (request, layer) items.
     problem = Problem("bshd", batch=48, n=16, layers=32, heads=4, dim=16, dtype=torch.bfloat16,

@@ -1,8 +1,9 @@
 """Argument parsing and validation shared by every public op and backend.
 
-Errors name the argument, what was expected and what was given. Checks of shapes, dtypes and
-devices never synchronise; checks of values (ids, ranges) read only small tensors and run only
-when ``validate=True``.
+Errors name the argument, what was expected and what was given. Checks of shapes, dtypes,
+devices and Python-number values never synchronise and always run; checks of tensor values
+(ids, ranges) read only small tensors and run only when ``validate=True`` (contract section 7:
+``validate=False`` skips the checks that need a device synchronisation).
 """
 from __future__ import annotations
 
@@ -165,11 +166,12 @@ class SamplingParams:
 def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerRequest, *,
                     batch: int, vocab_size: int, device: torch.device,
                     validate: bool) -> SamplingParams:
-    if validate:  # scalars are checked here, on the host; tensors below, on their device
-        _check_scalar(temperature, "temperature", lambda t: t >= 0 and not math.isinf(t),
-                      "finite values >= 0 (0 = greedy)")
-        _check_scalar(top_k, "top_k", lambda k: k >= 0, "values >= 0 (0 disables)")
-        _check_scalar(top_p, "top_p", lambda p: 0 < p <= 1, "values in (0, 1] (1 disables)")
+    # Python numbers are checked on the host whatever ``validate`` says (no synchronisation);
+    # tensors below, on their device, only when validating.
+    _check_scalar(temperature, "temperature", lambda t: t >= 0 and not math.isinf(t),
+                  "finite values >= 0 (0 = greedy)")
+    _check_scalar(top_k, "top_k", lambda k: k >= 0, "values >= 0 (0 disables)")
+    _check_scalar(top_p, "top_p", lambda p: 0 < p <= 1, "values in (0, 1] (1 disables)")
     t = per_request(temperature, "temperature", batch, device, torch.float32, 1.0)
     if isinstance(top_k, torch.Tensor):
         k = per_request(top_k, "top_k", batch, device, torch.int32, 0)
@@ -205,6 +207,15 @@ def _clamp_int32(value):
     return value
 
 
+def narrow_int32(values: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """An index tensor as int32 for the kernels: int64 values are clamped to ``[low, high]``
+    first (unvalidated values past int32 then clamp as the kernels clamp, instead of
+    wrapping); int32 values go as they are (the kernels clamp them)."""
+    if values.dtype == torch.int64:
+        values = values.clamp(low, high)
+    return values.to(torch.int32)
+
+
 def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` int64 seeds and offsets; ``seed=None`` draws one seed per request from torch's
@@ -218,7 +229,10 @@ def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
 
 def _as_int64(value, name: str):
     """A Python int seed or offset as int64 bits: unsigned 64-bit values wrap (an engine's
-    uint64 seed keys the same Philox stream as its two's-complement int64)."""
+    uint64 seed keys the same Philox stream as its two's-complement int64). An integral
+    float is taken as that integer (other floats are a TypeError in ``per_request``)."""
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        value = int(value)
     if isinstance(value, int) and not isinstance(value, bool):
         if not -2**63 <= value < 2**64:
             raise ValueError(f"{name}: expected a 64-bit integer, got {value}")

@@ -78,16 +78,18 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
             _params.check_tensor(draft, name, dtypes=dtypes, device=device)
             _params.check_shape(draft, name, [batch, num_drafts, vocab],
                                 "[B, K, V] from target_logits [B, K+1, V]")
+    use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=validate)
     n = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device, torch.int32,
                             num_drafts)
-    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     if validate:
         _check_chain_values(draft_token_ids, n, num_drafts, vocab)
-    n = n.to(torch.int32)
+    n = _params.narrow_int32(n, 0, num_drafts)
+    # Last: seed=None draws from torch's generator, which a rejected call must not advance.
+    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
 
-    if _backend.resolve(backend, device) == "triton":
+    if use_triton:
         from .triton import chain as _triton
         out, accepted = _triton.verify_chain(target_logits, draft_token_ids, draft_probs,
                                              draft_logits, n, params, seeds, offsets)

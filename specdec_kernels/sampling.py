@@ -61,7 +61,8 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
     and its noise never coincides with verification's.
 
     Args:
-        logits: Shape ``(batch_size, vocab_size)``; dtype float32, bfloat16 or float16.
+        logits: Shape ``(batch_size, vocab_size)``; dtype float32, bfloat16 or float16
+            (float64 on the reference backend, which ``"auto"`` then picks).
         temperature, top_k, top_p: as in :func:`processed_probs`.
         seed: int or ``(batch_size,)`` int64 tensor; None draws one per request from torch's
             default generator.
@@ -78,10 +79,17 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
     """
     _check_logits(logits, ndim=2)
     batch, vocab = logits.shape
+    use_triton = _backend.resolve(backend, logits.device) == "triton"
+    if use_triton and logits.dtype == torch.float64:
+        if backend != "auto":
+            raise TypeError("logits: the Triton backend takes float32, bfloat16 or float16 "
+                            "logits, got float64 (the reference backend takes float64)")
+        use_triton = False  # "auto": float64 logits take the reference path on any device
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=logits.device, validate=validate)
+    # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=logits.device)
-    if _backend.resolve(backend, logits.device) == "triton":
+    if use_triton:
         from .triton import sampling as _triton
         return _triton.sample(logits, params, seeds, offsets)
     return _reference.sample(logits, params.temperature, params.top_k, params.top_p, seeds, offsets)

@@ -94,15 +94,17 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
                              dtypes=_params.LOGIT_DTYPES + (torch.float64,), device=device)
         _params.check_shape(draft_probs, "draft_probs", [batch, nodes, vocab],
                             "[B, N, V] like target_logits")
+    use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=validate)
     n = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
-    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     if validate:
         _check_tree_values(tree_token_ids, parents, n, nodes, vocab)
-    n = n.to(torch.int32)
+    n = _params.narrow_int32(n, 1, nodes)
+    # Last: seed=None draws from torch's generator, which a rejected call must not advance.
+    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
 
-    if _backend.resolve(backend, device) == "triton":
+    if use_triton:
         from .triton import tree as _triton
         out, path, accepted = _triton.verify_tree(target_logits, tree_token_ids, parents,
                                                   draft_probs, draft_sampling, n, params,

@@ -37,7 +37,8 @@ void set_rows(CacheGeometry& g, const at::Tensor& cache, int64_t first, int64_t 
     g.row_stride = 0;
     return;
   }
-  TORCH_CHECK(cache.dim() - first == 2 && cache.stride(-1) == 1,
+  // A size-1 last dimension is contiguous whatever its stride (as in the Python check).
+  TORCH_CHECK(cache.dim() - first == 2 && (cache.stride(-1) == 1 || cache.size(-1) == 1),
               "caches: the elements of one cache position must be contiguous, or rows of "
               "contiguous last-dimension elements; got strides ",
               cache.strides());

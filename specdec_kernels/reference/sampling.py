@@ -30,19 +30,24 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     x_max = x.amax(-1, keepdim=True)
     has_finite = x_max > -torch.inf
     greedy = temp == 0
-    # (x - max) / T rather than x / T - max / T: never overflows for small T.
-    z = torch.where(x > -torch.inf, (x - x_max) / torch.where(greedy, 1.0, temp), -torch.inf)
+    finite = x > -torch.inf
+    safe_temp = torch.where(greedy, 1.0, temp)
+    # The softmax's exponent z - max(z), as (x - max) / T: never overflows for small T.
+    exponent = torch.where(finite, (x - x_max) / safe_temp, -torch.inf)
 
     filtered = bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1).any())
     if filtered:
-        z_sorted, order = z.sort(dim=-1, descending=True, stable=True)
+        # top-k compares z = x / T itself (contract 1.2), not the exponent: rounding in
+        # x - max must not tie logits that z tells apart. z and p both follow x's order.
+        z = torch.where(finite, x / safe_temp, -torch.inf)
+        order = x.argsort(dim=-1, descending=True, stable=True)
         k_eff = torch.where((k <= 0) | (k >= vocab), vocab, k).expand(*z.shape[:-1], 1)
-        kth = z_sorted.gather(-1, k_eff - 1)
-        z = torch.where(z >= kth, z, -torch.inf)  # boundary ties kept
-    e = torch.exp(z)
+        kth = z.gather(-1, order).gather(-1, k_eff - 1)  # the k-th largest z
+        exponent = torch.where(z >= kth, exponent, -torch.inf)  # boundary ties kept
+    e = torch.exp(exponent)
     probs = e / e.sum(-1, keepdim=True)
     if filtered:
-        p_sorted = probs.gather(-1, order)  # z order is p order
+        p_sorted = probs.gather(-1, order)  # x order is p order
         reached = p_sorted.cumsum(-1) >= top_p
         first = (~reached).sum(-1, keepdim=True).clamp(max=vocab - 1)
         tau = p_sorted.gather(-1, first)  # largest tau whose kept mass reaches top_p
