@@ -30,3 +30,17 @@ def mixed_params(batch, vocab, gen, device="cpu"):
                         torch.randint(1, max(2, vocab), (batch,), generator=gen), 0)
     top_p = torch.where((kind == 3) | (kind == 4), 0.05 + 0.9 * torch.rand(batch, generator=gen), 1.0)
     return dict(temperature=temperature.to(device), top_k=top_k.to(device), top_p=top_p.to(device))
+
+
+def spy_launches(monkeypatch, module, name: str) -> list:
+    """Wraps the Triton kernel ``module.<name>`` so that each launch records its grid and then
+    runs; returns the list of grids (tests that a launcher skips or makes a launch)."""
+    launched = []
+    kernel = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(module, name, Spy())
+    return launched

@@ -12,7 +12,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels.reference.sampling import processed_probs
-from conftest import mixed_params
+from conftest import mixed_params, spy_launches
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -195,14 +195,7 @@ def test_split_unfiltered_statistics_merged_by_the_race(monkeypatch, mode, race_
     monkeypatch.setattr(_rng, "RACE_GROUP", 32)
     monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", 100)
     monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", race_chunk)
-    launched = []
-    finish_kernel = tsampling._row_stats_finish_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return finish_kernel[grid]
-    monkeypatch.setattr(tsampling, "_row_stats_finish_kernel", Spy())
+    launched = spy_launches(monkeypatch, tsampling, "_row_stats_finish_kernel")
     gen = torch.Generator().manual_seed(13)
     batch, num_drafts, vocab = 10, 3, 450
     params = dict(temperature=torch.tensor([0.0, 1.0, 0.6, 1.4, 0.0] * 2))

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-import collections
-
 import pytest
 import torch
 import triton
@@ -19,7 +17,7 @@ import specdec_kernels as sk
 from specdec_kernels import _params
 from specdec_kernels.reference import sampling as ref
 from specdec_kernels.triton import sampling as tsampling
-from conftest import mixed_params
+from conftest import mixed_params, spy_launches
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -224,17 +222,10 @@ def test_consumers_merge_unfiltered_partials_as_the_finish_kernel(monkeypatch, d
                                      device=logits.device, validate=True)
     monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", 100)
     finished = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
-    launches = collections.Counter()
-    finish_kernel = tsampling._row_stats_finish_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches["finish"] += 1
-            return finish_kernel[grid]
-    monkeypatch.setattr(tsampling, "_row_stats_finish_kernel", Spy())
+    launched = spy_launches(monkeypatch, tsampling, "_row_stats_finish_kernel")
     partials = tsampling.row_stats(logits, params, 1, logits.stride(0), 0, merge_in_consumer=True)
     assert partials.chunks == tsampling.stats_chunks(batch, vocab, logits.device)[1] > 1
-    assert launches["finish"] == 0
+    assert not launched
     out_f = torch.empty((batch, 3), dtype=torch.float32, device=DEVICE)
     out_i = torch.empty(batch, dtype=torch.int32, device=DEVICE)
     _read_row_stats[(batch,)](partials.stats, partials.argmax, params.temperature, out_f, out_i,
@@ -247,7 +238,7 @@ def test_consumers_merge_unfiltered_partials_as_the_finish_kernel(monkeypatch, d
                                        device=logits.device, validate=True)
     assert tsampling.row_stats(logits, filtered, 1, logits.stride(0), 0,
                                merge_in_consumer=True).chunks == 1
-    assert launches["finish"] == 1
+    assert len(launched) == 1
 
 
 @pytest.mark.parametrize("candidates", [0, 12, 2048])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import specdec_kernels as sk
+from conftest import spy_launches
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -120,14 +121,7 @@ def test_triton_split_unfiltered_statistics(monkeypatch, mode):
     reads each row (no finish kernel) and still equals the reference."""
     from specdec_kernels.triton import sampling as tsampling
     monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", 16)
-    launched = []
-    finish_kernel = tsampling._row_stats_finish_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return finish_kernel[grid]
-    monkeypatch.setattr(tsampling, "_row_stats_finish_kernel", Spy())
+    launched = spy_launches(monkeypatch, tsampling, "_row_stats_finish_kernel")
     _compare(12, 10, 61, mode, torch.float32, seed=5 + MODES.index(mode),
              temperature=torch.tensor([0.0, 0.8, 1.0, 1.3] * 3, device=DEVICE))
     assert not launched
