@@ -58,8 +58,12 @@ def test_registry_covers_the_chain_kernels():
     # (acceptance runs inside the race kernel: no accept kernel of its own)
     for kernel in ("row_stats[", "row_stats_finish[", "race["):
         assert any(name.startswith(kernel) for name in names), kernel
-    for stage in (",groups]", ",tokens]"):  # the race split over chunks, and its second level
-        assert any(name.startswith("race[") and name.endswith(stage) for name in names), stage
+    for stage in (",groups", ",tokens"):  # the race split over chunks, and its second level
+        assert any(name.startswith("race[") and (stage + "]" in name or stage + "," in name)
+                   for name in names), stage
+    # and the race merging split statistics, the target's and the draft logits'
+    assert any(",stats_chunks=" in name for name in names)
+    assert any(",q_stats_chunks=" in name for name in names)
     assert len(names) == len(set(names)), "spec names must be unique"
 
 

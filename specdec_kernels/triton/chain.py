@@ -6,8 +6,8 @@ Launches, all asynchronous (no host synchronisation, CUDA-graph capturable with 
    rows when ``draft_logits`` is given): one streaming pass per row, split over programs when
    rows are few, plus pivot passes for rows whose top-k/top-p is active (``sampling.py``).
    Split rows are merged by ``_row_stats_finish_kernel`` when filters are on (it runs their
-   search) or for draft rows; unfiltered target rows are merged by the race as it reads them
-   (``load_row_stats``), one launch less.
+   search); unfiltered rows, target and draft, are merged by the race as it reads them
+   (``load_row_stats``), one launch less each.
 2. ``_race_kernel``: each program replays its request's acceptance loop (``_accept_drafts``:
    one gathered logit, and one draft probability or draft logit, per draft tested), then
    runs the two-level race (``_rng``) over row ``num_accepted`` for the correction or bonus
@@ -57,7 +57,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         q_mode = Q_LOGITS
         q = _last_dim_contiguous(draft_logits)
         if num_drafts > 0:
-            q_stats = row_stats(q, params, num_drafts, q.stride(0), q.stride(1)).stats
+            q_stats = row_stats(q, params, num_drafts, q.stride(0), q.stride(1),
+                                merge_in_consumer=True)
     elif draft_probs is not None:
         q_mode = Q_PROBS
         q = _last_dim_contiguous(draft_probs)
@@ -68,6 +69,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     if num_drafts == 0:
         q_mode = Q_NONE  # no draft: the race is a bonus sample of p
     race(target_logits, target_logits.stride(0), target_logits.stride(1), rows, stats, params,
-         seeds, offsets, out, out.stride(0), purpose=PURPOSE_RESAMPLE, q=q, q_mode=q_mode, q_strides=q_strides, q_stats=q_stats, draft_ids=draft_ids,
+         seeds, offsets, out, out.stride(0), purpose=PURPOSE_RESAMPLE, q=q, q_mode=q_mode,
+         q_strides=q_strides, q_stats=q_stats, draft_ids=draft_ids,
          num_draft=num_draft, num_accepted=num_accepted, num_drafts=num_drafts)
     return out, num_accepted

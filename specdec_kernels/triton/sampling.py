@@ -640,16 +640,19 @@ def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
 
 @triton.jit
 def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
-                   q_ptr, stride_q_req, stride_q_row, q_stats_ptr, draft_ids_ptr, stride_ids,
-                   num_draft, greedy, scale, seed, offset, V, K, Q_MODE: tl.constexpr,
-                   STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr):
+                   q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
+                   stride_ids, num_draft, greedy, scale, seed, offset, V, K,
+                   Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+                   STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
+                   Q_STATS_CHUNKS_P2: tl.constexpr):
     """The chain's acceptance loop for request ``req`` (contract section 3): returns
     ``(num_accepted, rejected)``, ``rejected`` when a live, in-range draft was rejected (its
-    residual is sampled next). Reads, per live draft, the id,
-    16 B of stats, one target logit and one draft probability, or one draft logit and 12 B of
-    its stats. Out-of-range ids (validate=False) are rejected without being read through, and
-    leave no residual: they were never drawn from q. The loads of all ``num_draft`` drafts
-    are issued whatever the verdicts (at most ~30 B per draft past the first rejection)."""
+    residual is sampled next). Reads, per live draft, the id, 16 B of stats, one target
+    logit and one draft probability, or one draft logit and 12 B of its stats (12 B per
+    chunk where ``row_stats`` left partials). Out-of-range ids (validate=False) are rejected
+    without being read through, and leave no residual: they were never drawn from q. The
+    loads of all ``num_draft`` drafts are issued whatever the verdicts (at most ~30 B per
+    draft past the first rejection)."""
     ids_row = draft_ids_ptr + req.to(tl.int64) * stride_ids
     logits_row = logits_ptr + req.to(tl.int64) * stride_req
     q_row = q_ptr + req.to(tl.int64) * stride_q_req
@@ -671,10 +674,9 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
         if Q_MODE == 2:
             q = tl.load(q_row + j64 * stride_q_row + token, mask=valid, other=0.0).to(tl.float32)
         elif Q_MODE == 3:
-            q_stat_row = req * K + j
-            q_max = tl.load(q_stats_ptr + q_stat_row * 3 + 0, mask=valid, other=float("-inf"))
-            q_thr = tl.load(q_stats_ptr + q_stat_row * 3 + 1, mask=valid, other=0.0)
-            q_norm = tl.load(q_stats_ptr + q_stat_row * 3 + 2, mask=valid, other=1.0)
+            q_max, q_thr, q_norm, _ = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + j,
+                                                     valid, scale, Q_STATS_CHUNKS,
+                                                     Q_STATS_CHUNKS_P2)
             q = processed_prob(load_logits(q_row + j64 * stride_q_row, token, valid),
                                q_max, q_thr, q_norm, scale)
         else:  # one-hot drafts
@@ -730,13 +732,14 @@ STAGE_BOTH, STAGE_GROUPS, STAGE_TOKENS = 0, 1, 2
 
 @triton.jit
 def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, argmax_ptr,
-                 q_ptr, stride_q_req, stride_q_row, q_stats_ptr,
+                 q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr,
                  draft_ids_ptr, stride_ids, num_draft_ptr, num_accepted_ptr,
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
                  part_score_ptr, part_index_ptr, V, K, chunk_size,
                  PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
                  STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
+                 Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
                  GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                  K_P2: tl.constexpr):
     """One correction/bonus (chain) or sample token per request, by the two-level race over
@@ -773,8 +776,9 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
         num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + req), 0), K)
         num_accepted, rejected = _accept_drafts(
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
-            stride_q_row, q_stats_ptr, draft_ids_ptr, stride_ids, num_draft, greedy, scale,
-            seed, offset, V, K, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2)
+            stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr, stride_ids, num_draft,
+            greedy, scale, seed, offset, V, K, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2,
+            Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
         if STAGE == 1:  # STAGE_GROUPS
             if chunk == 0:  # the token itself follows from STAGE_TOKENS
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
@@ -807,10 +811,9 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     if Q_MODE >= 2:
         q_row_ptr = q_ptr + req.to(tl.int64) * stride_q_req + last.to(tl.int64) * stride_q_row
     if Q_MODE == 3:
-        q_row = req * K + last
-        q_max = tl.load(q_stats_ptr + q_row * 3 + 0, mask=use_residual, other=0.0)
-        q_thr = tl.load(q_stats_ptr + q_row * 3 + 1, mask=use_residual, other=0.0)
-        q_norm = tl.load(q_stats_ptr + q_row * 3 + 2, mask=use_residual, other=1.0)
+        q_max, q_thr, q_norm, _ = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + last,
+                                                 use_residual, scale, Q_STATS_CHUNKS,
+                                                 Q_STATS_CHUNKS_P2)
         q_base = tl.where(q_max > float("-inf"), q_max, 0.0)
         q_inv_norm = tl.where(q_norm > 0.0, 1.0 / q_norm, 0.0)
 
@@ -972,8 +975,10 @@ class RowStats(NamedTuple):
     argmax: torch.Tensor  # int32 [rows]; partials: [rows, chunks, 2] (arg-max, finite count)
     chunks: int           # 1: finished rows; > 1: unmerged partials (the STATS_CHUNKS constexpr)
 
-    def constexprs(self) -> dict:
-        return dict(STATS_CHUNKS=self.chunks, STATS_CHUNKS_P2=next_pow2(self.chunks))
+    def constexprs(self, prefix: str = "") -> dict:
+        """The consumer's constexprs (``Q_`` prefix: the draft logits' statistics)."""
+        return {f"{prefix}STATS_CHUNKS": self.chunks,
+                f"{prefix}STATS_CHUNKS_P2": next_pow2(self.chunks)}
 
 
 def row_stats(logits: torch.Tensor, params, rows_per_req: int, stride_req: int,
@@ -1075,7 +1080,7 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
          stats: RowStats, params, seeds: torch.Tensor,
          offsets: torch.Tensor, out: torch.Tensor, stride_out: int, *, purpose: int,
          q: torch.Tensor | None = None, q_mode: int = Q_NONE, q_strides=(0, 0),
-         q_stats: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None,
+         q_stats: RowStats | None = None, draft_ids: torch.Tensor | None = None,
          num_draft: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None,
          num_drafts: int = 0) -> None:
     """Launch the race: one launch when V is one chunk, else the first level over chunks and
@@ -1094,7 +1099,8 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
         if num_chunks > 1 else dummy_i
     args = (logits, stride_req, stride_row, rows_per_req, stats.stats, stats.argmax,
             q if q is not None else dummy_f, q_strides[0], q_strides[1],
-            q_stats if q_stats is not None else dummy_f,
+            q_stats.stats if q_stats is not None else dummy_f,
+            q_stats.argmax if q_stats is not None else dummy_i,
             draft_ids if draft_ids is not None else dummy_i,
             draft_ids.stride(0) if draft_ids is not None else 0,
             num_draft if num_draft is not None else dummy_i,
@@ -1104,6 +1110,7 @@ def race(logits: torch.Tensor, stride_req: int, stride_row: int, rows_per_req: i
     constexprs = dict(PURPOSE=purpose, IS_CHAIN=is_chain, Q_MODE=q_mode, NUM_CHUNKS=num_chunks,
                       CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
                       BLOCK=block, K_P2=next_pow2(num_drafts + 1), **stats.constexprs(),
+                      **(q_stats or RowStats(dummy_f, dummy_i, 1)).constexprs("Q_"),
                       **launch_options(device, 4))
     if num_chunks == 1:
         _race_kernel[(batch, 1)](*args, STAGE=STAGE_BOTH, **constexprs)
@@ -1166,12 +1173,13 @@ def _stats_finish_spec(dtype: str, key_shift: int, filters: bool, chunks: int) -
 
 
 def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True,
-               stage: int | None = None, stats_chunks: int = 1) -> dict:
+               stage: int | None = None, stats_chunks: int = 1, q_stats_chunks: int = 1) -> dict:
     mode = ["p", "one_hot", "draft_probs", "draft_logits"][q_mode]
     if stage is None:
         stage = STAGE_BOTH if chunks == 1 else STAGE_GROUPS
     stage_name = ["", ",groups", ",tokens"][stage]
-    stats_name = f",stats_chunks={stats_chunks}" if stats_chunks > 1 else ""
+    stats_name = (f",stats_chunks={stats_chunks}" if stats_chunks > 1 else "") + \
+        (f",q_stats_chunks={q_stats_chunks}" if q_stats_chunks > 1 else "")
     return dict(
         name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}"
              f"{stats_name}]",
@@ -1179,7 +1187,8 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
         signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
                        rows_per_req="i32", stats_ptr="*fp32", argmax_ptr="*i32",
                        q_ptr=f"*{q_dtype}", stride_q_req="i32", stride_q_row="i32",
-                       q_stats_ptr="*fp32", draft_ids_ptr="*i64", stride_ids="i32",
+                       q_stats_ptr="*fp32", q_argmax_ptr="*i32", draft_ids_ptr="*i64",
+                       stride_ids="i32",
                        num_draft_ptr="*i32", num_accepted_ptr="*i32", temperature_ptr="*fp32",
                        seed_ptr="*i64", offset_ptr="*i64", out_ptr="*i32", stride_out="i32",
                        part_score_ptr="*fp32", part_index_ptr="*i32", V="i32", K="i32",
@@ -1187,7 +1196,8 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
         constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                         IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
                         CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,
-                        STATS_CHUNKS_P2=next_pow2(stats_chunks), GROUP=_rng.RACE_GROUP,
+                        STATS_CHUNKS_P2=next_pow2(stats_chunks), Q_STATS_CHUNKS=q_stats_chunks,
+                        Q_STATS_CHUNKS_P2=next_pow2(q_stats_chunks), GROUP=_rng.RACE_GROUP,
                         MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1),
         num_warps=4, maxnreg=MAX_REGISTERS)
 
@@ -1203,8 +1213,10 @@ COMPILE_SPECS = [
     _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False, stats_chunks=16),
     _race_spec("bf16", "fp32", Q_ONE_HOT, 8, stats_chunks=4),
     _race_spec("bf16", "fp32", Q_PROBS, 1),
-    _race_spec("bf16", "bf16", Q_LOGITS, 8), _race_spec("fp32", "fp32", Q_LOGITS, 1),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, stats_chunks=4, q_stats_chunks=4),
+    _race_spec("fp32", "fp32", Q_LOGITS, 1),
     _race_spec("bf16", "fp32", Q_PROBS, 8, stats_chunks=4),
     _race_spec("bf16", "fp32", Q_PROBS, 8, stage=STAGE_TOKENS, stats_chunks=4),
-    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
+               q_stats_chunks=4),
 ]

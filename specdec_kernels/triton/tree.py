@@ -294,7 +294,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
                 offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(output_token_ids [B, N] int32, accepted_nodes [B, N] int32,
     num_accepted [B] int32)``; arguments parsed by the public layer (``num_nodes`` int32
-    ``[B]``, seeds/offsets int64 ``[B]``). Two launches, no host synchronisation."""
+    ``[B]``, seeds/offsets int64 ``[B]``). Two launches (three when split rows are filtered:
+    the statistics' finish kernel), no host synchronisation."""
     target_logits = _last_dim_contiguous(target_logits)
     batch, nodes, vocab = target_logits.shape
     device = target_logits.device
