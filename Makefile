@@ -32,13 +32,16 @@ $(EXT_STAMP): $(DEPS_STAMP) setup.py $(CSRC)
 	mkdir -p build && touch $@
 
 # The torch-free core and its C++ tests, plain and under AddressSanitizer.
+# (cmake, ctest and ninja come from .venv: requirements.txt pins them.)
+CMAKE       := $(VENV)/bin/cmake
+CTEST       := $(VENV)/bin/ctest
 ctest: $(DEPS_STAMP)
-	cmake -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Release
-	cmake --build build/cmake -j $(JOBS)
-	ctest --test-dir build/cmake --output-on-failure
-	cmake -S . -B build/cmake-asan -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Debug -DSPECDEC_ASAN=ON -DSPECDEC_CUDA=OFF
-	cmake --build build/cmake-asan -j $(JOBS)
-	ctest --test-dir build/cmake-asan --output-on-failure
+	$(CMAKE) -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Release
+	$(CMAKE) --build build/cmake -j $(JOBS)
+	$(CTEST) --test-dir build/cmake --output-on-failure
+	$(CMAKE) -S . -B build/cmake-asan -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Debug -DSPECDEC_ASAN=ON -DSPECDEC_CUDA=OFF
+	$(CMAKE) --build build/cmake-asan -j $(JOBS)
+	$(CTEST) --test-dir build/cmake-asan --output-on-failure
 
 pytest: build
 	TRITON_INTERPRET=1 $(PY) -m pytest python_tests -q

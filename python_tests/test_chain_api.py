@@ -324,6 +324,9 @@ def test_rejected_call_leaves_the_generator_untouched(op):
         calls[op]()
     with pytest.raises(ValueError, match="backend"):
         sk.sample(target[:, 0], backend="nowhere")
+    for bad_offset in (2**64, "x", torch.tensor([1, 2, 3]), 1.5):
+        with pytest.raises((ValueError, TypeError), match="offset"):
+            sk.sample(target[:, 0], offset=bad_offset)
     assert torch.equal(torch.rand(3), expected)
 
 

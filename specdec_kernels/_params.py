@@ -220,10 +220,11 @@ def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` int64 seeds and offsets; ``seed=None`` draws one seed per request from torch's
     default generator, so ``torch.manual_seed`` makes runs repeatable."""
+    # The offset first: a call rejected for its offset must not have advanced the generator.
+    o = per_request(_as_int64(offset, "offset"), "offset", batch, device, torch.int64, 0)
     if seed is None:
         seed = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64).to(device)
     s = per_request(_as_int64(seed, "seed"), "seed", batch, device, torch.int64, 0)
-    o = per_request(_as_int64(offset, "offset"), "offset", batch, device, torch.int64, 0)
     return s, o
 
 
