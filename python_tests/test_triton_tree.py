@@ -183,3 +183,19 @@ def test_triton_row_without_finite_logit():
     assert out.output_token_ids.tolist() == [[-1, -1, -1], [2, -1, -1]]
     assert out.accepted_nodes.tolist() == [[0, -1, -1], [0, 2, -1]]
     assert out.num_accepted.tolist() == [0, 1]
+
+
+def test_triton_unvalidated_ids_past_int32_like_reference():
+    """validate=False: ids and parents are checked in their own width before they are
+    narrowed, so 2**32 + 3 is an invalid id (as in the reference), not id 3."""
+    logits = torch.zeros(1, 3, 10)
+    logits[0, 0, 3] = logits[0, 1, 0] = 9.0
+    cases = [(torch.tensor([[-1, 2**32 + 3, 5]]), torch.tensor([[-1, 0, 0]])),
+             (torch.tensor([[-1, 3, 0]]), torch.tensor([[-1, 0, 2**32 + 1]]))]
+    for ids, parents in cases:
+        outs = [sk.verify_tree(logits.to(DEVICE), ids.to(DEVICE), parents.to(DEVICE),
+                               temperature=0.0, backend=backend, validate=False, seed=1)
+                for backend in ("reference", "triton")]
+        assert outs[0].num_accepted.tolist() == [0 if ids[0, 1] > 10 else 1]
+        for got, want in zip(outs[1], outs[0]):
+            assert torch.equal(got.cpu(), want.cpu())

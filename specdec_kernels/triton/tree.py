@@ -154,11 +154,12 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
 
     for i in range(1, N):
         node = tl.zeros([], tl.int32) + i  # the interpreter's loop index is a Python int
-        parent = tl.load(parents_ptr + req64 * stride_pb + node).to(tl.int32)
-        token = tl.load(ids_ptr + req64 * stride_ib + node).to(tl.int32)
+        # Checked in the ids' own width, then narrowed (validate=False: 2**32 + 3 is no id 3).
+        parent = tl.load(parents_ptr + req64 * stride_pb + node).to(tl.int64)
+        token = tl.load(ids_ptr + req64 * stride_ib + node).to(tl.int64)
         real = (node < num_nodes) & (parent >= 0) & (parent < node) & (token >= 0) & (token < V)
         tested = real & (parent == current)
-        token = tl.where(tested, token, 0)
+        token = tl.where(tested, token, 0).to(tl.int32)
         x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * N + current,
                                                     tested, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
         row_ptr = logits_req + current.to(tl.int64) * stride_ln
