@@ -1,6 +1,8 @@
 """Backend choice: ``"auto"`` picks the kernels for CUDA tensors and the reference on CPU."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import torch
@@ -17,3 +19,16 @@ def resolve(backend: str, device: torch.device) -> str:
         raise ValueError("backend: 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
                          f"triton is imported; got tensors on {device}")
     return backend
+
+
+def on_input_device(op):
+    """Runs ``op`` with its first argument's CUDA device current (as the C++ ops do with a
+    device guard): Triton launches on the current device and its current stream, and the
+    CUDA-graph and stream checks of ``_params`` ask the current device, so a call with
+    tensors on ``cuda:1`` while ``cuda:0`` is current must switch first. CPU tensors: as is."""
+    @functools.wraps(op)
+    def guarded(first, *args, **kwargs):
+        on_cuda = isinstance(first, torch.Tensor) and first.device.type == "cuda"
+        with torch.cuda.device(first.device) if on_cuda else contextlib.nullcontext():
+            return op(first, *args, **kwargs)
+    return guarded

@@ -96,8 +96,8 @@ def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
     return broadcast(value, batch, dtype, device)
 
 
-# Broadcast scalars, kept per (value, batch, dtype, device): an engine that passes the same
-# temperature every step pays neither an allocation nor a fill kernel. The tensors are
+# Broadcast scalars, kept per (value, batch, dtype, device, stream): an engine that passes the
+# same temperature every step pays neither an allocation nor a fill kernel. The tensors are
 # internal (never returned to the caller, never written). Bounded: oldest entry out first.
 _BROADCAST_CACHE: dict = {}
 _BROADCAST_CACHE_SIZE = 256
@@ -105,8 +105,18 @@ _BROADCAST_LOCK = threading.Lock()  # misses only: a hit is one dict lookup
 _SCRATCH: dict = {}  # (dtype, device) -> one element; never evicted
 
 
+def _stream_key(device: torch.device) -> int:
+    """The device's current stream (0 on CPU): a cached tensor is filled on the stream of the
+    call that made it and used only by later calls on that stream, so no call reads it before
+    its fill has run, and its memory goes back to the pool of the stream that used it."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):  # the capture state of the tensors' device, not the current
+        return torch.cuda.is_current_stream_capturing()
 
 
 def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -119,7 +129,7 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
     """
     if _capturing(device):
         return torch.full((batch,), value, dtype=dtype, device=device)
-    key = (type(value), value, batch, dtype, device)
+    key = (type(value), value, batch, dtype, device, _stream_key(device))
     cached = _BROADCAST_CACHE.get(key)
     if cached is not None:
         return cached

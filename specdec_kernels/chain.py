@@ -15,6 +15,7 @@ class ChainVerifyOutput(NamedTuple):
     num_accepted: torch.Tensor      # [B] int32
 
 
+@_backend.on_input_device
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                  draft_probs: Optional[torch.Tensor] = None,
                  draft_logits: Optional[torch.Tensor] = None,

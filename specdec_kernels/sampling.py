@@ -51,6 +51,7 @@ def processed_probs(logits: torch.Tensor, temperature: PerRequest = None, top_k:
     return probs[0] if squeeze else probs
 
 
+@_backend.on_input_device
 def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRequest = None,
            top_p: PerRequest = None, seed: PerRequest = None, offset: PerRequest = None,
            backend: str = "auto", validate: bool = True) -> torch.Tensor:

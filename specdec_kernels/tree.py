@@ -16,6 +16,7 @@ class TreeVerifyOutput(NamedTuple):
     num_accepted: torch.Tensor      # [B] int32: accepted draft nodes (root excluded)
 
 
+@_backend.on_input_device
 def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, parents: torch.Tensor,
                 *, draft_probs: Optional[torch.Tensor] = None, draft_sampling: str = "iid",
                 num_nodes: PerRequest = None, temperature: PerRequest = None,
