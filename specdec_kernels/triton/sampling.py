@@ -191,6 +191,9 @@ def _compact(row_ptr, V, x_max, scale, floor_key, lo, cand_key_ptr, cand_e_ptr,
         tl.store(cand_key_ptr + position, key, mask=keep & (position < CAP))
         tl.store(cand_e_ptr + position, e, mask=keep & (position < CAP))
         n += tl.sum(keep.to(tl.int32), axis=0)
+    # Later passes read the list from other threads: make its stores visible to the CTA
+    # (today's reductions already put a barrier here; this does not rely on them).
+    tl.debug_barrier()
     return tl.minimum(n, CAP), tl.max(lane_below, axis=0)
 
 
