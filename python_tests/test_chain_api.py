@@ -360,3 +360,19 @@ def test_float64_logits_take_the_reference_path():
     if os.environ.get("TRITON_INTERPRET") == "1":  # the Triton backend runs on CPU tensors
         with pytest.raises(TypeError, match="logits"):
             sk.sample(logits, seed=0, backend="triton")
+
+
+def test_public_ops_take_every_argument_by_keyword():
+    """The public ops keep their signatures (the device guard wraps them): every argument,
+    the first included, may be passed by keyword."""
+    target, _, drafts = _problem(batch=2, num_drafts=2, vocab=6)
+    out = sk.verify_chain(target_logits=target, draft_token_ids=drafts, seed=1)
+    assert torch.equal(out.output_token_ids, sk.verify_chain(target, drafts, seed=1).output_token_ids)
+    assert sk.sample(logits=target[:, 0], seed=1).shape == (2,)
+    parents = torch.tensor([[-1, 0, 1]] * 2)
+    tree = sk.verify_tree(target_logits=target, tree_token_ids=drafts.new_zeros(2, 3),
+                          parents=parents, seed=1)
+    assert tree.num_accepted.shape == (2,)
+    import inspect
+    for op in (sk.verify_chain, sk.sample, sk.verify_tree):
+        assert "validate" in inspect.signature(op).parameters

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 
 import torch
@@ -26,9 +27,12 @@ def on_input_device(op):
     device guard): Triton launches on the current device and its current stream, and the
     CUDA-graph and stream checks of ``_params`` ask the current device, so a call with
     tensors on ``cuda:1`` while ``cuda:0`` is current must switch first. CPU tensors: as is."""
+    first_name = next(iter(inspect.signature(op).parameters))
+
     @functools.wraps(op)
-    def guarded(first, *args, **kwargs):
+    def guarded(*args, **kwargs):
+        first = args[0] if args else kwargs.get(first_name)
         on_cuda = isinstance(first, torch.Tensor) and first.device.type == "cuda"
         with torch.cuda.device(first.device) if on_cuda else contextlib.nullcontext():
-            return op(first, *args, **kwargs)
+            return op(*args, **kwargs)
     return guarded
