@@ -1,13 +1,22 @@
 """The torch Philox-4x32-10 of specdec_kernels._rng: Random123's known answers, and Python's
 arbitrary-precision integers on random inputs (the torch version relies on int64 multiplies
 wrapping modulo 2**64)."""
+import math
 import random
+import struct
 
 import torch
 
 from specdec_kernels import _rng
 
 M32 = 0xFFFFFFFF
+
+
+def _uniform_python(word: int) -> float:
+    """``_rng``'s uniform in plain Python: ``min(rn(word), 2**32 - 256) * 2**-32`` (struct's
+    float32 packing rounds the exact double ``word`` to nearest, ties to even)."""
+    rounded = struct.unpack("f", struct.pack("f", float(word)))[0]
+    return min(rounded, 2.0 ** 32 - 256) * 2.0 ** -32
 
 
 def _philox_python(c, k):
@@ -49,7 +58,74 @@ def test_key_and_counter_layout():
     key = (seed & M32, (seed >> 32) & M32)
     assert int(word) == _philox_python(counter, key)[3]
     u = _rng.uniform(torch.tensor(seed), torch.tensor(offset), 7, _rng.PURPOSE_RESAMPLE, 11)
-    assert float(u) == (int(word) >> 8) * 2.0 ** -24
+    assert float(u) == _uniform_python(int(word))
+
+
+EDGE_WORDS = torch.tensor(
+    [0, 1, 2, 3, 255, 256, 257, 2 ** 24 - 1, 2 ** 24, 2 ** 24 + 1, 2 ** 24 + 2, 2 ** 24 + 3,
+     2 ** 25 + 2, 2 ** 25 + 6, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 128, 2 ** 31 + 129, 2 ** 31 + 384,
+     2 ** 32 - 385, 2 ** 32 - 384, 2 ** 32 - 257, 2 ** 32 - 256, 2 ** 32 - 129, 2 ** 32 - 128,
+     2 ** 32 - 2, 2 ** 32 - 1])
+
+
+def _some_words(count=1 << 20):
+    words = torch.randint(0, 2 ** 32, (count,), generator=torch.Generator().manual_seed(4))
+    return torch.cat([EDGE_WORDS, words])
+
+
+def test_uniform_is_the_rounded_word():
+    """u = min(rn(word), 2**32 - 256) * 2**-32 to the bit, ties to even included."""
+    words = torch.cat([EDGE_WORDS, _some_words(20_000)])
+    got = _rng.word_uniform(words)
+    assert got.dtype == torch.float32
+    assert got.tolist() == [_uniform_python(int(w)) for w in words]
+
+
+def test_uniform_precision():
+    """The tail precision of contract section 11: u == 0 only for word 0 (P = 2**-32), the
+    smallest non-zero u is 2**-32, u < 1 always, u exact below 2**24, and P(u < t) equals t
+    to within half a float32 ulp of t."""
+    assert float(_rng.word_uniform(torch.tensor(0))) == 0.0
+    assert float(_rng.word_uniform(torch.tensor(1))) == 2.0 ** -32
+    assert float(_rng.word_uniform(torch.tensor(2 ** 32 - 1))) == 1 - 2.0 ** -24
+    # Every word below 2**24, exact and strictly increasing (so only word 0 gives 0).
+    small = torch.arange(2 ** 24)
+    u = _rng.word_uniform(small)
+    assert torch.equal(u.double(), small.double() * 2.0 ** -32)
+    # Non-decreasing over the whole range (rounding is monotone): sorted words, sorted u.
+    words = _some_words().sort().values
+    u = _rng.word_uniform(words)
+    assert (u[1:] >= u[:-1]).all() and (u < 1).all() and (u > 0).sum() == len(u) - 1
+    # P(u < t) = (number of words with u < t) / 2**32, by bisection on the monotone map.
+    for t in (2.0 ** -32, 3 * 2.0 ** -32, 1e-9, 2.0 ** -24, 1e-3, 0.1, 0.5, 0.75,
+              1 - 2.0 ** -24, 1.0):
+        low, high = 0, 2 ** 32  # smallest word with u >= t, 2**32 if none
+        while low < high:
+            mid = (low + high) // 2
+            if float(_rng.word_uniform(torch.tensor(mid))) >= t:
+                high = mid
+            else:
+                low = mid + 1
+        half_ulp = max(t * 2.0 ** -24, 2.0 ** -32)  # float32 half-ulp of t, at least 2**-32
+        assert abs(low * 2.0 ** -32 - t) <= half_ulp, t
+
+
+def test_noise_precision():
+    """-log1p(-u) to within 3 ulps of float64 (Goldberg's log1p), finite and >= 0, +0.0 only
+    for word 0 (never -0.0), 2**-32 for word 1, at most 24 ln 2."""
+    words = _some_words()
+    noise = _rng.word_noise(words)
+    assert noise.dtype == torch.float32 and torch.isfinite(noise).all() and (noise >= 0).all()
+    assert not torch.signbit(noise).any()
+    assert (noise == 0).sum() == 1 and float(noise[0]) == 0.0  # EDGE_WORDS[0] == 0
+    assert float(_rng.word_noise(torch.tensor(1))) == 2.0 ** -32
+    exact = -torch.log1p(-_rng.word_uniform(words).double())
+    ulp = (exact.float().nextafter(torch.tensor(math.inf)) - exact.float()).double()
+    assert ((noise.double() - exact).abs() <= 3 * ulp).all()
+    assert abs(float(noise.max()) - 24 * math.log(2)) <= 2e-6
+    # The old -log(1 - u) of 24-bit uniforms: -0.0 at word 0 (score w / -0.0 = -inf).
+    old = -torch.log(1.0 - (EDGE_WORDS[:1] >> 8).float() * 2.0 ** -24)
+    assert torch.signbit(old).all()
 
 
 def test_uniforms_and_noise_ranges():

@@ -42,7 +42,7 @@ def test_philox_words_and_uniforms_are_bit_exact(purpose):
     ref_words = _rng.random_words(seeds, offsets, positions, purpose, index)
     assert torch.equal(words.cpu(), ref_words), "Philox words differ"
     assert torch.equal(uniforms.cpu(), _rng.uniform(seeds, offsets, positions, purpose, index))
-    # -log(1 - u): the same float32 input; log's last ulp may differ between libms.
+    # -log1p(-u) of the same float32 u; log's last ulp may differ between libms.
     ref_noise = _rng.exponential(seeds, offsets, positions, purpose, index)
     torch.testing.assert_close(noise.cpu(), ref_noise, rtol=4e-7, atol=1e-12)
     print(f"purpose {purpose}: exponential noise equal in "
@@ -61,3 +61,22 @@ def test_purposes_and_positions_are_distinct_streams():
     for a in range(len(words)):
         for b in range(a + 1, len(words)):
             assert (words[a] != words[b]).float().mean() > 0.99
+
+
+def test_word_conversions_match_the_reference():
+    """Uniforms of edge words (0, 1, rounding ties, 2**32 - 1) and random ones equal the
+    reference's to the bit; the noise within 3 ulps (log's last-ulp rounding), never -0.0."""
+    from specdec_kernels.triton._rng import word_numbers_check
+    edges = [0, 1, 2, 255, 256, 2 ** 24 - 1, 2 ** 24, 2 ** 24 + 1, 2 ** 24 + 3, 2 ** 25 + 2,
+             2 ** 31 + 128, 2 ** 31 + 384, 2 ** 32 - 257, 2 ** 32 - 129, 2 ** 32 - 128, 2 ** 32 - 1]
+    words = torch.cat([torch.tensor(edges),
+                       torch.randint(0, 2 ** 32, (1 << 14,), generator=torch.Generator().manual_seed(5))])
+    uniforms, noise = (t.cpu() for t in word_numbers_check(words.to(DEVICE)))
+    assert torch.equal(uniforms, _rng.word_uniform(words))
+    assert float(uniforms[1]) == 2.0 ** -32 and float(uniforms[len(edges) - 1]) == 1 - 2.0 ** -24
+    ref_noise = _rng.word_noise(words)
+    assert not torch.signbit(noise).any() and float(noise[0]) == 0.0 and torch.isfinite(noise).all()
+    ulp = (ref_noise.nextafter(torch.tensor(float("inf"))) - ref_noise)
+    assert ((noise - ref_noise).abs() <= 3 * ulp).all()
+    print(f"noise equal to the reference's in {(noise == ref_noise).float().mean().item():.1%} "
+          f"of {len(words)} words, else within 3 ulps")

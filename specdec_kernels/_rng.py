@@ -27,9 +27,22 @@ Positions:
     ``num_accepted`` or tree node ``u``.
   * SAMPLE: 0 (``sample()`` draws one token per call).
 
-Uniforms keep the top 24 bits so that they are exact in float32 on every backend:
-``uniform = (word >> 8) * 2**-24`` in ``[0, 1)`` (acceptance tests, ``u * q < p``), and the
-exponential noise of the sampling race is ``-log(1 - uniform)`` (``>= 0``, finite; ``1 - u`` is exact in float32).
+Words become numbers the same way on every backend (contract section 11, tail exactness):
+
+    uniform  u = min(rn(word), 2**32 - 256) * 2**-32           float32, in [0, 1 - 2**-24]
+    noise    E = u                                  if y == 1  (y = 1 - u, rounded)
+               = -log(y) * (u / (1 - y))            otherwise  (= -log1p(-u), Goldberg)
+
+``rn`` is the IEEE round-to-nearest-even uint32 -> float32 conversion and ``2**32 - 256`` the
+largest float32 below 2**32, so ``u < 1`` always; ``u == 0`` only for word 0 (probability
+2**-32), the smallest non-zero ``u`` is 2**-32, ``u`` is exact for words below 2**24 and
+otherwise within half a float32 ulp of ``word * 2**-32``. An acceptance test ``u * q < p``
+thus accepts a draft with ``p/q <= 2**-40`` only when ``u == 0`` (``u >= 2**-32`` makes
+``u * q >= 256 p``, rounding is monotone). ``1 - y`` is exact, so the noise is ``-log1p(-u)``
+to within a few ulps of ``log``, no libdevice needed: ``E >= 0``, finite, ``E = +0.0`` only for
+``u == 0`` (never -0.0) and at most ``24 ln 2``. A race score ``w / E`` of a positive weight is
+then ``+inf`` when ``E == 0`` -- the ``E -> 0`` limit, a winner (lowest id among +inf ties) --
+and a weight ``1e-12`` beats ``1 - 1e-12`` only when its ``E < 1.7e-11``, that is ``u == 0``.
 """
 from __future__ import annotations
 
@@ -51,30 +64,31 @@ PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
-UNIFORM_SCALE = 2.0 ** -24
+UNIFORM_SCALE = 2.0 ** -32
+UNIFORM_MAX = 2.0 ** 32 - 256  # the largest float32 below 2**32: u < 1
 
 _MASK32 = 0xFFFFFFFF
 
 
-def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit halves of the 64-bit product of constant ``a`` and uint32 values in int64.
-
-    The product can exceed int64's range; the multiply wraps modulo 2**64 (two's complement
-    on every torch device), so its bits -- and the masked halves -- are exact. The tests
-    check this against Python integers and Random123's known answers.
-    """
-    product = b * a
-    return (product >> 32) & _MASK32, product & _MASK32
-
-
 def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
-    """Philox-4x32 on int64 tensors holding uint32 values; returns the four output words."""
+    """Philox-4x32 on int64 tensors holding uint32 values; returns the four output words.
+
+    The 32x32-bit products can exceed int64's range; the multiply wraps modulo 2**64 (two's
+    complement on every torch device), so its bits -- and the masked halves -- are exact. The
+    tests check this against Python integers and Random123's known answers. The counters are
+    broadcast to the common shape first so that every round works in place on its products.
+    """
     c0, c1, c2, c3, k0, k1 = (torch.as_tensor(x, dtype=torch.int64) & _MASK32
                               for x in (c0, c1, c2, c3, k0, k1))
+    shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape, k0.shape, k1.shape)
+    c0, c1, c2, c3 = (c.expand(shape) for c in (c0, c1, c2, c3))
     for _ in range(rounds):
-        hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
-        hi1, lo1 = _mulhilo32(PHILOX_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        product0 = c0 * PHILOX_M0
+        product1 = c2 * PHILOX_M1
+        c0 = (product1 >> 32).bitwise_and_(_MASK32).bitwise_xor_(c1).bitwise_xor_(k0)
+        c2 = (product0 >> 32).bitwise_and_(_MASK32).bitwise_xor_(c3).bitwise_xor_(k1)
+        c1 = product1.bitwise_and_(_MASK32)
+        c3 = product0.bitwise_and_(_MASK32)
         k0 = (k0 + PHILOX_W0) & _MASK32
         k1 = (k1 + PHILOX_W1) & _MASK32
     return c0, c1, c2, c3
@@ -109,20 +123,35 @@ def token_words(seed, offset, position, purpose: int, count: int, start=0) -> to
     return words.flatten(-2)[..., :count]
 
 
-def _to_uniform(word: torch.Tensor) -> torch.Tensor:
-    return (word >> 8).to(torch.float32) * UNIFORM_SCALE
+def word_uniform(word: torch.Tensor) -> torch.Tensor:
+    """The uniform of ``word`` (int64 holding uint32): float32 ``min(rn(word), 2**32 - 256) *
+    2**-32`` in ``[0, 1 - 2**-24]`` (torch's int64 -> float32 rounds to nearest)."""
+    return word.to(torch.float32).clamp(max=UNIFORM_MAX) * UNIFORM_SCALE
+
+
+def uniform_noise(u: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise ``-log1p(-u)`` of float32 uniforms, by Goldberg's ``log1p``: ``1 - y`` is
+    exact, so ``u / (1 - y)`` corrects the rounding of ``y = 1 - u``. ``+0.0`` only for u == 0."""
+    y = 1.0 - u
+    tiny = y == 1.0  # u <= 2**-25: -log1p(-u) is u to within u / 2 relative
+    return torch.where(tiny, u, -torch.log(y) * (u / torch.where(tiny, 1.0, 1.0 - y)))
+
+
+def word_noise(word: torch.Tensor) -> torch.Tensor:
+    """The race noise of ``word``: ``uniform_noise(word_uniform(word))``."""
+    return uniform_noise(word_uniform(word))
 
 
 def uniform(seed, offset, position, purpose: int, index=0) -> torch.Tensor:
-    """float32 uniforms in [0, 1), exact multiples of 2**-24."""
-    return _to_uniform(random_words(seed, offset, position, purpose, index))
+    """float32 uniforms in [0, 1) (``word_uniform``)."""
+    return word_uniform(random_words(seed, offset, position, purpose, index))
 
 
 def exponential(seed, offset, position, purpose: int, index=0) -> torch.Tensor:
-    """float32 Exp(1) noise, ``-log(1 - u)``: finite, and 0 only when u == 0."""
-    return -torch.log(1.0 - uniform(seed, offset, position, purpose, index))
+    """float32 Exp(1) noise (``word_noise``): finite, >= 0, +0.0 only when u == 0."""
+    return word_noise(random_words(seed, offset, position, purpose, index))
 
 
 def token_exponential(seed, offset, position, purpose: int, count: int, start=0) -> torch.Tensor:
     """``exponential`` for indices ``start .. start + count - 1`` along a new last dimension."""
-    return -torch.log(1.0 - _to_uniform(token_words(seed, offset, position, purpose, count, start)))
+    return word_noise(token_words(seed, offset, position, purpose, count, start))

@@ -2,9 +2,11 @@
 
 Key ``(seed_lo, seed_hi)``, counter ``(index // 4, position | purpose << 16, offset_lo,
 offset_hi)``, word ``index % 4``. All arithmetic is uint32 (``tl.umulhi`` for the high half of
-the 32x32 products), so the words equal the int64 emulation of the reference exactly; the
-float conversions below are exact too (24-bit integers times a power of two). Only the
-exponential noise goes through ``log``, whose last-ulp rounding may differ between backends.
+the 32x32 products), so the words equal the int64 emulation of the reference exactly. Uniforms and noise follow
+``specdec_kernels._rng`` (its docstring: the definitions and their precision) operation for
+operation: the uint32 -> float32 conversion rounds to nearest (``cvt.rn``, numpy in the
+interpreter) as torch's does, and the one division is ``div_rn``, so uniforms are equal to the
+bit and the noise differs only by the last-ulp rounding of ``log`` between backends.
 """
 import triton
 import triton.language as tl
@@ -21,6 +23,8 @@ PURPOSE_ACCEPT = tl.constexpr(_rng.PURPOSE_ACCEPT)
 PURPOSE_RESAMPLE = tl.constexpr(_rng.PURPOSE_RESAMPLE)
 PURPOSE_SAMPLE = tl.constexpr(_rng.PURPOSE_SAMPLE)
 GROUP_INDEX_BASE = tl.constexpr(_rng.GROUP_INDEX_BASE)
+UNIFORM_SCALE = tl.constexpr(_rng.UNIFORM_SCALE)
+UNIFORM_MAX = tl.constexpr(_rng.UNIFORM_MAX)
 
 
 @triton.jit
@@ -62,9 +66,19 @@ def _select_word(w0, w1, w2, w3, lane):
 
 
 @triton.jit
+def word_uniform(word):
+    """``_rng.word_uniform``: float32 ``min(rn(word), 2**32 - 256) * 2**-32`` of a uint32 word."""
+    return tl.minimum(word.to(tl.float32), UNIFORM_MAX) * UNIFORM_SCALE
+
+
+@triton.jit
 def _exponential(word):
-    """Exp(1) noise ``-log(1 - u)`` of ``u = (word >> 8) * 2**-24``: finite, 0 only when u == 0."""
-    return -tl.log(1.0 - (word >> 8).to(tl.float32) * 5.9604644775390625e-08)
+    """``_rng.word_noise``: Exp(1) noise ``-log1p(-u)`` (Goldberg) of ``u = word_uniform(word)``:
+    finite, >= 0, +0.0 only when u == 0."""
+    u = word_uniform(word)
+    y = 1.0 - u
+    tiny = y == 1.0
+    return tl.where(tiny, u, -tl.log(y) * tl.math.div_rn(u, tl.where(tiny, 1.0, 1.0 - y)))
 
 
 @triton.jit
@@ -77,10 +91,9 @@ def _random_word(seed, offset, position, purpose: tl.constexpr, index):
 
 @triton.jit
 def uniform(seed, offset, position, purpose: tl.constexpr, index):
-    """float32 in [0, 1), an exact multiple of 2**-24: ``(word >> 8) * 2**-24`` of word
-    ``index % 4`` of counter ``index // 4`` (``index`` an int scalar or tensor)."""
-    word = _random_word(seed, offset, position, purpose, index)
-    return (word >> 8).to(tl.float32) * 5.9604644775390625e-08
+    """float32 in [0, 1): ``word_uniform`` of word ``index % 4`` of counter ``index // 4``
+    (``index`` an int scalar or tensor)."""
+    return word_uniform(_random_word(seed, offset, position, purpose, index))
 
 
 @triton.jit
@@ -115,9 +128,8 @@ def _uniform_test_kernel(seed_ptr, offset_ptr, position_ptr, index_ptr, word_ptr
     index = tl.load(index_ptr + i, mask=mask, other=0)
     # The kernels' own keying (_random_word), here with a key and counter per element.
     word = _random_word(seed, offset, position, PURPOSE, index)
-    u = (word >> 8).to(tl.float32) * 5.9604644775390625e-08
     tl.store(word_ptr + i, word.to(tl.int64), mask=mask)
-    tl.store(u_ptr + i, u, mask=mask)
+    tl.store(u_ptr + i, word_uniform(word), mask=mask)
     tl.store(e_ptr + i, _exponential(word), mask=mask)
 
 
@@ -132,6 +144,27 @@ def philox_reference_check(seed, offset, position, index, purpose: int):
     _uniform_test_kernel[((n + block - 1) // block,)](seed, offset, position, index, word, u, e, n,
                                                    PURPOSE=purpose, BLOCK=block)
     return word, u, e
+
+
+@triton.jit
+def _word_test_kernel(word_ptr, u_ptr, e_ptr, n, BLOCK: tl.constexpr):
+    """Testing hook: the uniform and noise of given words (int64 holding uint32)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    word = (tl.load(word_ptr + i, mask=mask, other=0) & 0xFFFFFFFF).to(tl.uint32)
+    tl.store(u_ptr + i, word_uniform(word), mask=mask)
+    tl.store(e_ptr + i, _exponential(word), mask=mask)
+
+
+def word_numbers_check(words):
+    """Launcher of the word hook: int64 ``[n]`` words -> (uniforms, exponentials)."""
+    import torch
+    n = words.numel()
+    u = torch.empty(n, dtype=torch.float32, device=words.device)
+    e = torch.empty(n, dtype=torch.float32, device=words.device)
+    block = 1024
+    _word_test_kernel[((n + block - 1) // block,)](words, u, e, n, BLOCK=block)
+    return u, e
 
 
 # Kernels compiled by bench/resources.py and python_tests/test_triton_compile.py for sm_80 and
