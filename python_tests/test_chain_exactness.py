@@ -4,8 +4,9 @@
    region of the uniforms is enumerated through ``reference.chain.chain_outcome`` (the code the
    sampler runs); the emitted tokens, completed to K+1 tokens by sampling the target, have
    exactly the target's autoregressive law. (The enumeration treats the uniforms as
-   continuous; the implementation's are multiples of 2**-24, a bias of at most 2**-24 per
-   decision, far below anything the tests below can see.)
+   continuous; the implementation's are float32 roundings of multiples of 2**-32, a bias of at
+   most the float32 rounding of p/q plus 2**-32 per decision, far below anything the tests
+   below can see.)
 2. Chi-square tests of sampled outputs (first token, and each token given the earlier drafts
    were accepted), plus acceptance counts against sum(min(p, q)).
    False-alarm rate: alpha = 1e-4 per test (about 40 tests here, so at most ~0.4% for the file

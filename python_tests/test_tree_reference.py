@@ -7,7 +7,8 @@
    uniforms that accept each tested node; the final token's law is its final weights. The
    emitted tokens, completed to depth + 1 tokens by sampling the target, must have exactly the
    target's autoregressive law. (The uniforms are treated as continuous; the implementation's
-   are multiples of 2**-24, a bias of at most 2**-24 per decision.) Planted bugs -- no residual
+   are float32 roundings of multiples of 2**-32, a bias of at most the float32 rounding of the
+   ratio plus 2**-32 per decision.) Planted bugs -- no residual
    update in each mode, raw q for without-replacement drafts -- break the law by > 1e-3.
 2. Chi-square tests of sampled outputs through the public API, per mode: the first token, and
    the token after an accepted node (the second token given the first node was accepted).

@@ -147,24 +147,26 @@ def philox_reference_check(seed, offset, position, index, purpose: int):
 
 
 @triton.jit
-def _word_test_kernel(word_ptr, u_ptr, e_ptr, n, BLOCK: tl.constexpr):
-    """Testing hook: the uniform and noise of given words (int64 holding uint32)."""
+def _word_test_kernel(word_ptr, weight, u_ptr, e_ptr, score_ptr, n, BLOCK: tl.constexpr):
+    """Testing hook: the uniform and noise of given words (int64 holding uint32), and the race
+    score ``weight / noise`` with the races' fast division (``+inf`` where the noise is 0)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     word = (tl.load(word_ptr + i, mask=mask, other=0) & 0xFFFFFFFF).to(tl.uint32)
+    noise = _exponential(word)
     tl.store(u_ptr + i, word_uniform(word), mask=mask)
-    tl.store(e_ptr + i, _exponential(word), mask=mask)
+    tl.store(e_ptr + i, noise, mask=mask)
+    tl.store(score_ptr + i, tl.where(weight > 0, weight / noise, -1.0), mask=mask)
 
 
-def word_numbers_check(words):
-    """Launcher of the word hook: int64 ``[n]`` words -> (uniforms, exponentials)."""
+def word_numbers_check(words, weight: float = 1.0):
+    """Launcher of the word hook: int64 ``[n]`` words -> (uniforms, noise, race scores)."""
     import torch
     n = words.numel()
-    u = torch.empty(n, dtype=torch.float32, device=words.device)
-    e = torch.empty(n, dtype=torch.float32, device=words.device)
+    u, e, score = (torch.empty(n, dtype=torch.float32, device=words.device) for _ in range(3))
     block = 1024
-    _word_test_kernel[((n + block - 1) // block,)](words, u, e, n, BLOCK=block)
-    return u, e
+    _word_test_kernel[((n + block - 1) // block,)](words, weight, u, e, score, n, BLOCK=block)
+    return u, e, score
 
 
 # Kernels compiled by bench/resources.py and python_tests/test_triton_compile.py for sm_80 and
