@@ -15,7 +15,9 @@ from specdec_kernels import _rng
 from specdec_kernels.reference import sampling as ref_sampling
 from specdec_kernels.reference.chain import chain_outcome
 
-from conftest import CHAIN_BACKENDS, SAMPLE_BACKENDS
+from conftest import CHAIN_BACKENDS, SAMPLE_BACKENDS, _triton_param
+
+TREE_BACKENDS = ["reference", _triton_param("specdec_kernels.triton.tree")]
 
 # Seed 0: the acceptance word of draft 1 at this offset is 202, the old u = (202 >> 8) * 2**-24
 # = 0; the sample() noise word of token 2 at the other offset is 5, the old noise -log(1 - 0)
@@ -66,10 +68,22 @@ def test_forbidden_draft_is_rejected_where_the_old_uniform_was_zero(backend):
     assert int(out.num_accepted[0]) == 0 and int(out.output_token_ids[0, 0]) != 3
 
 
+@pytest.mark.parametrize("backend", TREE_BACKENDS)
+def test_forbidden_tree_draft_is_rejected_where_the_old_uniform_was_zero(backend):
+    """The chain-shaped tree of the same draft (node 1) uses the same acceptance uniform."""
+    logits, drafts = _forbidden_draft()
+    out = sk.verify_tree(logits, torch.tensor([[-1, 3]]), torch.tensor([[-1, 0]]), seed=0,
+                         offset=ACCEPT_ZERO_OFFSET, backend=backend)
+    assert int(out.num_accepted[0]) == 0 and int(out.output_token_ids[0, 0]) != 3
+
+
 def test_planted_old_uniform_accepts_the_forbidden_draft(old_conversion):
     logits, drafts = _forbidden_draft()
     out = sk.verify_chain(logits, drafts, seed=0, offset=ACCEPT_ZERO_OFFSET, backend="reference")
     assert int(out.num_accepted[0]) == 1
+    tree = sk.verify_tree(logits, torch.tensor([[-1, 3]]), torch.tensor([[-1, 0]]), seed=0,
+                          offset=ACCEPT_ZERO_OFFSET, backend="reference")
+    assert int(tree.num_accepted[0]) == 1
 
 
 def _race_rows():
