@@ -72,12 +72,13 @@ def test_word_conversions_match_the_reference():
     from specdec_kernels.triton._rng import word_numbers_check
     edges = [0, 1, 2, 255, 256, 2 ** 24 - 1, 2 ** 24, 2 ** 24 + 1, 2 ** 24 + 3, 2 ** 25 + 2,
              2 ** 31 + 128, 2 ** 31 + 384, 2 ** 32 - 257, 2 ** 32 - 129, 2 ** 32 - 128, 2 ** 32 - 1]
-    words = torch.cat([torch.tensor(edges),
-                       torch.randint(0, 2 ** 32, (1 << 14,), generator=torch.Generator().manual_seed(5))])
+    gen = torch.Generator().manual_seed(5)
+    words = torch.cat([torch.tensor(edges), torch.randint(0, 2 ** 32, (1 << 14,), generator=gen)])
     for weight in (1.0, 1e-40):
         uniforms, noise, score = (t.cpu() for t in word_numbers_check(words.to(DEVICE), weight))
         assert torch.equal(uniforms, _rng.word_uniform(words))
-        assert float(uniforms[1]) == 2.0 ** -32 and float(uniforms[len(edges) - 1]) == 1 - 2.0 ** -24
+        assert float(uniforms[1]) == 2.0 ** -32
+        assert float(uniforms[len(edges) - 1]) == 1 - 2.0 ** -24
         ref_noise = _rng.word_noise(words)
         assert not torch.signbit(noise).any() and float(noise[0]) == 0.0
         assert torch.isfinite(noise).all()

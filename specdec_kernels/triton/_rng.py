@@ -2,11 +2,11 @@
 
 Key ``(seed_lo, seed_hi)``, counter ``(index // 4, position | purpose << 16, offset_lo,
 offset_hi)``, word ``index % 4``. All arithmetic is uint32 (``tl.umulhi`` for the high half of
-the 32x32 products), so the words equal the int64 emulation of the reference exactly. Uniforms and noise follow
-``specdec_kernels._rng`` (its docstring: the definitions and their precision) operation for
-operation: the uint32 -> float32 conversion rounds to nearest (``cvt.rn``, numpy in the
-interpreter) as torch's does, and the one division is ``div_rn``, so uniforms are equal to the
-bit and the noise differs only by the last-ulp rounding of ``log`` between backends.
+the 32x32 products), so the words equal the int64 emulation of the reference exactly.
+Uniforms and noise follow ``specdec_kernels._rng`` (its docstring: the definitions and their
+precision) operation for operation: the uint32 -> float32 conversion rounds to nearest
+(``cvt.rn``; numpy in the interpreter) as torch's does and the one division is ``div_rn``, so
+the uniforms are equal to the bit and the noise differs only by ``log``'s last-ulp rounding.
 """
 import triton
 import triton.language as tl
