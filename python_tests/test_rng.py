@@ -84,7 +84,7 @@ def test_uniform_is_the_rounded_word():
 def test_uniform_precision():
     """The tail precision of contract section 11: u == 0 only for word 0 (P = 2**-32), the
     smallest non-zero u is 2**-32, u < 1 always, u exact below 2**24, and P(u < t) equals t
-    to within half a float32 ulp of t."""
+    to within half a float32 ulp of t or 2**-32 (the grid of u below 2**-8), whichever is larger."""
     assert float(_rng.word_uniform(torch.tensor(0))) == 0.0
     assert float(_rng.word_uniform(torch.tensor(1))) == 2.0 ** -32
     assert float(_rng.word_uniform(torch.tensor(2 ** 32 - 1))) == 1 - 2.0 ** -24
@@ -97,8 +97,8 @@ def test_uniform_precision():
     u = _rng.word_uniform(words)
     assert (u[1:] >= u[:-1]).all() and (u < 1).all() and (u > 0).sum() == len(u) - 1
     # P(u < t) = (number of words with u < t) / 2**32, by bisection on the monotone map.
-    for t in (2.0 ** -32, 3 * 2.0 ** -32, 1e-9, 2.0 ** -24, 1e-3, 0.1, 0.5, 0.75,
-              1 - 2.0 ** -24, 1.0):
+    for t in (2.0 ** -32, 3 * 2.0 ** -32, float(torch.tensor(1e-9)), 2.0 ** -24,
+              float(torch.tensor(1e-3)), float(torch.tensor(0.1)), 0.5, 0.75, 1 - 2.0 ** -24):
         low, high = 0, 2 ** 32  # smallest word with u >= t, 2**32 if none
         while low < high:
             mid = (low + high) // 2
@@ -106,8 +106,9 @@ def test_uniform_precision():
                 high = mid
             else:
                 low = mid + 1
-        half_ulp = max(t * 2.0 ** -24, 2.0 ** -32)  # float32 half-ulp of t, at least 2**-32
-        assert abs(low * 2.0 ** -32 - t) <= half_ulp, t
+        t32 = torch.tensor(t)
+        half_ulp = float(t32.nextafter(torch.tensor(2.0)) - t32) / 2
+        assert abs(low * 2.0 ** -32 - t) <= max(half_ulp, 2.0 ** -32), t
 
 
 def test_noise_precision():
