@@ -125,14 +125,15 @@ def test_tail_events_are_at_most_2_to_the_minus_32_per_trial():
     of draft 1; (b) a token of probability 1e-12 beats one of 1 - 1e-12 (float32: 1.0) at most
     once, by the reference's race score on the stream's ``sample()`` noise of tokens 0 and 1.
 
-    Each event needs u == 0, i.e. word 0 (probability 2**-32): the count is Binomial(2**26,
-    2**-32), about Poisson(2**-6), so "at most once" fails with probability alpha <= 2**-13
-    (1.2e-4) over the choice of seeds. The 24-bit uniforms make each event probability 2**-24
-    (u == 0 for 256 words: the draft accepted; the 1 - 1e-12 token's noise -0.0, score -inf):
-    Poisson(4), caught with power 1 - 5 e**-4 = 0.91 -- the planted bug, the old conversion
-    run on the same words, is caught here. Evaluated on the words in chunks of 2**18, on one
-    thread (the int64 Philox is memory-light; a second thread mostly waits on a shared
-    machine): ~2 * 2**26 Philox evaluations, about 15 s of CPU."""
+    The contract allows each event with probability at most 2**-32 per trial: the count is then
+    at most Binomial(2**26, 2**-32), about Poisson(2**-6), so "at most once" fails with
+    probability alpha <= 2**-13 (1.2e-4) over the choice of seeds. (Ours make both events
+    impossible: u >= 2**-33 and E in [2**-33, 24 ln 2].) The 24-bit uniforms make each event
+    probability 2**-24 (u == 0 for 256 words: the draft accepted; the 1 - 1e-12 token's noise
+    -0.0, score -inf): Poisson(4), caught with power 1 - 5 e**-4 = 0.91 -- the planted bug, the
+    old conversion run on the same words, is caught here. Evaluated on the words in chunks of
+    2**18 on one thread (a second thread mostly waits on a shared machine): 2 * 2**26 Philox
+    evaluations, about 20 s of CPU."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -29,20 +29,22 @@ Positions:
 
 Words become numbers the same way on every backend (contract section 11, tail exactness):
 
-    uniform  u = min(rn(word), 2**32 - 256) * 2**-32           float32, in [0, 1 - 2**-24]
+    uniform  u = min(max(rn(word), 1/2), 2**32 - 256) * 2**-32  float32, in [2**-33, 1 - 2**-24]
     noise    E = u                                  if y == 1  (y = 1 - u, rounded)
                = -log(y) * (u / (1 - y))            otherwise  (= -log1p(-u), Goldberg)
 
 ``rn`` is the IEEE round-to-nearest-even uint32 -> float32 conversion and ``2**32 - 256`` the
-largest float32 below 2**32, so ``u < 1`` always; ``u == 0`` only for word 0 (probability
-2**-32), the smallest non-zero ``u`` is 2**-32, ``u`` is exact for words below 2**24 and
-otherwise within half a float32 ulp of ``word * 2**-32``. An acceptance test ``u * q < p``
-thus accepts a draft with ``p/q <= 2**-40`` only when ``u == 0`` (``u >= 2**-32`` makes
-``u * q >= 256 p``, rounding is monotone). ``1 - y`` is exact, so the noise is ``-log1p(-u)``
-to within a few ulps of ``log``, no libdevice needed: ``E >= 0``, finite, ``E = +0.0`` only for
-``u == 0`` (never -0.0) and at most ``24 ln 2``. A race score ``w / E`` of a positive weight is
-then ``+inf`` when ``E == 0`` -- the ``E -> 0`` limit, a winner (lowest id among +inf ties) --
-and a weight ``1e-12`` beats ``1 - 1e-12`` only when its ``E < 1.7e-11``, that is ``u == 0``.
+largest float32 below 2**32, so ``u < 1`` always. Word 0 gives ``2**-33`` (the middle of its
+cell ``[0, 2**-32)``) instead of 0, so ``u > 0`` and ``E > 0`` always; every other word below
+2**24 gives exactly ``word * 2**-32``, and the rest are within half a float32 ulp of it. Hence:
+
+* An acceptance test ``u * q < p`` never accepts a draft with ``p/q < 2**-33`` (``u * q >=
+  2**-33 q > p``; rounding is monotone), whose exact acceptance probability is below 2**-33.
+* ``1 - y`` is exact, so the noise is ``-log1p(-u)`` to within 3 ulps with no libdevice
+  ``log1p``: finite, in ``[2**-33, 24 ln 2]``, never 0 or -0.0. A race score ``w / E`` of a
+  positive weight is finite and positive, and a token never beats one whose weight is more than
+  ``24 ln 2 / 2**-33`` (1.4e11) times its own: a token of probability 1e-12 never beats one of
+  ``1 - 1e-12``, at either level of the race, whatever the vocabulary size.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
 UNIFORM_SCALE = 2.0 ** -32
+UNIFORM_MIN = 0.5  # word 0 -> 2**-33, the middle of its cell: u > 0, so E > 0
 UNIFORM_MAX = 2.0 ** 32 - 256  # the largest float32 below 2**32: u < 1
 
 _MASK32 = 0xFFFFFFFF
@@ -124,14 +127,15 @@ def token_words(seed, offset, position, purpose: int, count: int, start=0) -> to
 
 
 def word_uniform(word: torch.Tensor) -> torch.Tensor:
-    """The uniform of ``word`` (int64 holding uint32): float32 ``min(rn(word), 2**32 - 256) *
-    2**-32`` in ``[0, 1 - 2**-24]`` (torch's int64 -> float32 rounds to nearest)."""
-    return word.to(torch.float32).clamp(max=UNIFORM_MAX) * UNIFORM_SCALE
+    """The uniform of ``word`` (int64 holding uint32): float32 ``min(max(rn(word), 1/2),
+    2**32 - 256) * 2**-32`` in ``[2**-33, 1 - 2**-24]`` (torch's int64 -> float32 rounds to
+    nearest)."""
+    return word.to(torch.float32).clamp(min=UNIFORM_MIN, max=UNIFORM_MAX) * UNIFORM_SCALE
 
 
 def uniform_noise(u: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise ``-log1p(-u)`` of float32 uniforms, by Goldberg's ``log1p``: ``1 - y`` is
-    exact, so ``u / (1 - y)`` corrects the rounding of ``y = 1 - u``. ``+0.0`` only for u == 0."""
+    exact, so ``u / (1 - y)`` corrects the rounding of ``y = 1 - u``. Positive for u > 0."""
     y = 1.0 - u
     tiny = y == 1.0  # u <= 2**-25: -log1p(-u) is u to within u / 2 relative
     return torch.where(tiny, u, -torch.log(y) * (u / torch.where(tiny, 1.0, 1.0 - y)))
@@ -143,12 +147,12 @@ def word_noise(word: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(seed, offset, position, purpose: int, index=0) -> torch.Tensor:
-    """float32 uniforms in [0, 1) (``word_uniform``)."""
+    """float32 uniforms in (0, 1) (``word_uniform``)."""
     return word_uniform(random_words(seed, offset, position, purpose, index))
 
 
 def exponential(seed, offset, position, purpose: int, index=0) -> torch.Tensor:
-    """float32 Exp(1) noise (``word_noise``): finite, >= 0, +0.0 only when u == 0."""
+    """float32 Exp(1) noise (``word_noise``): finite and positive."""
     return word_noise(random_words(seed, offset, position, purpose, index))
 
 

@@ -24,6 +24,7 @@ PURPOSE_RESAMPLE = tl.constexpr(_rng.PURPOSE_RESAMPLE)
 PURPOSE_SAMPLE = tl.constexpr(_rng.PURPOSE_SAMPLE)
 GROUP_INDEX_BASE = tl.constexpr(_rng.GROUP_INDEX_BASE)
 UNIFORM_SCALE = tl.constexpr(_rng.UNIFORM_SCALE)
+UNIFORM_MIN = tl.constexpr(_rng.UNIFORM_MIN)
 UNIFORM_MAX = tl.constexpr(_rng.UNIFORM_MAX)
 
 
@@ -67,14 +68,15 @@ def _select_word(w0, w1, w2, w3, lane):
 
 @triton.jit
 def word_uniform(word):
-    """``_rng.word_uniform``: float32 ``min(rn(word), 2**32 - 256) * 2**-32`` of a uint32 word."""
-    return tl.minimum(word.to(tl.float32), UNIFORM_MAX) * UNIFORM_SCALE
+    """``_rng.word_uniform``: float32 ``min(max(rn(word), 1/2), 2**32 - 256) * 2**-32`` of a
+    uint32 word, in ``[2**-33, 1 - 2**-24]``."""
+    return tl.minimum(tl.maximum(word.to(tl.float32), UNIFORM_MIN), UNIFORM_MAX) * UNIFORM_SCALE
 
 
 @triton.jit
 def _exponential(word):
     """``_rng.word_noise``: Exp(1) noise ``-log1p(-u)`` (Goldberg) of ``u = word_uniform(word)``:
-    finite, >= 0, +0.0 only when u == 0."""
+    finite and positive."""
     u = word_uniform(word)
     y = 1.0 - u
     tiny = y == 1.0
@@ -91,7 +93,7 @@ def _random_word(seed, offset, position, purpose: tl.constexpr, index):
 
 @triton.jit
 def uniform(seed, offset, position, purpose: tl.constexpr, index):
-    """float32 in [0, 1): ``word_uniform`` of word ``index % 4`` of counter ``index // 4``
+    """float32 in (0, 1): ``word_uniform`` of word ``index % 4`` of counter ``index // 4``
     (``index`` an int scalar or tensor)."""
     return word_uniform(_random_word(seed, offset, position, purpose, index))
 
@@ -149,7 +151,7 @@ def philox_reference_check(seed, offset, position, index, purpose: int):
 @triton.jit
 def _word_test_kernel(word_ptr, weight, u_ptr, e_ptr, score_ptr, n, BLOCK: tl.constexpr):
     """Testing hook: the uniform and noise of given words (int64 holding uint32), and the race
-    score ``weight / noise`` with the races' fast division (``+inf`` where the noise is 0)."""
+    score ``weight / noise`` with the races' fast division (finite: the noise is never 0)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     word = (tl.load(word_ptr + i, mask=mask, other=0) & 0xFFFFFFFF).to(tl.uint32)
