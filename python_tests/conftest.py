@@ -18,6 +18,14 @@ def _triton_param(module: str):
         return pytest.param("triton", marks=pytest.mark.skip(reason=f"{module}: {err}"))
 
 
+def _extension_param():
+    from specdec_kernels import _extension
+    return pytest.param("extension", marks=pytest.mark.skipif(
+        not _extension.HAS_EXTENSION, reason=f"specdec_kernels._C not built: "
+                                             f"{_extension.IMPORT_ERROR}"))
+
+
+EXTENSION_BACKENDS = ["reference", _extension_param()]  # tree attention and the KV cache
 CHAIN_BACKENDS = ["reference", _triton_param("specdec_kernels.triton.chain")]
 SAMPLE_BACKENDS = ["reference", _triton_param("specdec_kernels.triton.sampling")]
 

@@ -36,6 +36,15 @@ def check_tensor(x, name: str, *, ndim: Optional[int] = None,
     return x
 
 
+def to_device(x: torch.Tensor, name: str, device: torch.device, owner: str) -> torch.Tensor:
+    """A small index tensor moved to ``device`` (``owner`` names whose device it is); one on
+    a device that holds no data (meta) is a ValueError naming it."""
+    if x.device != device and (x.device.type == "meta" or device.type == "meta"):
+        raise ValueError(f"{name}: expected a tensor on {device} ({owner}), got one on "
+                         f"{x.device}")
+    return x.to(device)
+
+
 def check_verify_logits(logits, name: str, rows: str) -> tuple[int, int, int]:
     """``[B, R, V]`` logits of a verify call (``rows`` names R: ``"K+1"`` or ``"N"``) with
     ``1 <= R <= 2**16`` (rows and drafts are Philox positions) and ``V >= 1``."""
@@ -178,16 +187,18 @@ def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerReques
                     validate: bool) -> SamplingParams:
     # Python numbers are checked on the host whatever ``validate`` says (no synchronisation);
     # tensors below, on their device, only when validating.
-    _check_scalar(temperature, "temperature", lambda t: t >= 0 and not math.isinf(t),
+    _check_scalar(temperature, "temperature", lambda t: t >= 0 and t != math.inf,
                   "finite values >= 0 (0 = greedy)")
     _check_scalar(top_k, "top_k", lambda k: k >= 0, "values >= 0 (0 disables)")
     _check_scalar(top_p, "top_p", lambda p: 0 < p <= 1, "values in (0, 1] (1 disables)")
-    t = per_request(temperature, "temperature", batch, device, torch.float32, 1.0)
+    # float64 tensors are checked in float64 (then rounded, below), as Python numbers are.
+    t = per_request(_clamp_temperature(temperature), "temperature", batch, device,
+                    _float_dtype(temperature), 1.0)
     if isinstance(top_k, torch.Tensor):
         k = per_request(top_k, "top_k", batch, device, torch.int32, 0)
     else:  # clamped on the host: values past int32 disable the filter like V does
         k = per_request(_clamp_int32(top_k), "top_k", batch, device, torch.int32, 0)
-    p = per_request(top_p, "top_p", batch, device, torch.float32, 1.0)
+    p = per_request(top_p, "top_p", batch, device, _float_dtype(top_p), 1.0)
     if validate:
         if isinstance(temperature, torch.Tensor) and (_any(~(t >= 0)) or _any(torch.isinf(t))):
             bad = t[~(t >= 0) | torch.isinf(t)][0].item()
@@ -202,7 +213,30 @@ def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerReques
     all_greedy = (not isinstance(temperature, torch.Tensor)) and temperature == 0
     if k.dtype != torch.int32:  # an int64 tensor: values past int32 disable the filter
         k = k.clamp(0, 2**31 - 1).to(torch.int32)
+    if t.dtype == torch.float64:  # finite temperatures past float32's range: its largest
+        t = t.clamp(max=FLOAT32_MAX).to(torch.float32)
+    p = p.to(torch.float32)
     return SamplingParams(t, k, p, uses_top_k, uses_top_p, all_greedy)
+
+
+# A finite temperature >= 3.4028e38 (past float32's range) is taken as float32's largest
+# finite value: z = x / T is then ~0, the near-uniform law over the kept tokens, on every
+# backend (README, semantics).
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _float_dtype(value) -> torch.dtype:
+    """float64 for a float64 tensor (checked before rounding), else float32."""
+    is_float64 = isinstance(value, torch.Tensor) and value.dtype == torch.float64
+    return torch.float64 if is_float64 else torch.float32
+
+
+def _clamp_temperature(value):
+    if isinstance(value, float) and FLOAT32_MAX < value < math.inf:
+        return FLOAT32_MAX
+    if isinstance(value, int) and not isinstance(value, bool) and value > FLOAT32_MAX:
+        return FLOAT32_MAX
+    return value
 
 
 def _check_scalar(value, name: str, ok, expected: str) -> None:

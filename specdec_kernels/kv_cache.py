@@ -13,7 +13,7 @@ from typing import Sequence, Union
 import torch
 
 from . import _extension
-from ._params import INDEX_DTYPES, check_tensor
+from ._params import INDEX_DTYPES, check_tensor, to_device
 from .reference import kv_cache as _reference
 
 __all__ = ["compact_kv_cache", "compact_paged_kv_cache"]
@@ -57,17 +57,11 @@ def _check_caches(caches: Caches, *, paged: bool, layout: str) -> list[torch.Ten
                 if got != expected:
                     raise ValueError(f"caches[{i}]: expected the same {what} as caches[0] "
                                      f"({expected}), got {got}")
-    # Same shape and strides, so two tensors that start at the same address are the same
-    # memory: compacting it twice would move the moved positions again. (Not while
-    # torch.compile traces: its fake tensors have no addresses. Empty tensors hold nothing.)
-    if (not torch.compiler.is_compiling() and first.numel() > 0
-            and len({c.data_ptr() for c in caches}) != len(caches)):
-        seen: dict[int, int] = {}
-        for i, cache in enumerate(caches):
-            j = seen.setdefault(cache.data_ptr(), i)
-            if j != i:
-                raise ValueError(f"caches[{i}]: expected distinct tensors, got the memory of "
-                                 f"caches[{j}] again (it would be compacted twice)")
+    # Two tensors sharing an element would have it compacted twice (the moved positions
+    # moved again). Addresses only, no synchronisation; not while torch.compile traces (its
+    # fake tensors have no addresses). Empty tensors hold nothing.
+    if not torch.compiler.is_compiling() and first.numel() > 0 and first.device.type != "meta":
+        _check_disjoint(caches)
     if not _position_rows_ok(first, paged=paged, layout=layout):
         raise ValueError(f"caches: expected the elements of a cache position to be contiguous, "
                          f"or rows of a contiguous last dimension, got shape {list(first.shape)} "
@@ -75,9 +69,62 @@ def _check_caches(caches: Caches, *, paged: bool, layout: str) -> list[torch.Ten
     return list(caches)
 
 
+def _check_disjoint(caches: Sequence[torch.Tensor]) -> None:
+    """No two tensors of ``caches`` (same shape, strides and dtype) share a byte.
+
+    Sorted by address, only neighbours whose storage spans overlap are compared exactly, so
+    separate allocations cost one sort; interleaved views (K and V of one ``[.., 2, ..]``
+    buffer) have overlapping spans but no common element and are accepted."""
+    first = caches[0]
+    element = first.element_size()
+    dims = [(stride * element, size) for size, stride in zip(first.shape, first.stride())
+            if size > 1 and stride != 0]
+    span = element + sum((size - 1) * stride for stride, size in dims)
+    # A byte offset d is shared iff d = sum c * stride + e with |c| < size and |e| < element:
+    # the element's bytes are one more dimension of stride 1.
+    dims = sorted(dims + [(1, element)], reverse=True)
+    starts = sorted((cache.data_ptr(), i) for i, cache in enumerate(caches))
+    for n, (start, i) in enumerate(starts):
+        for other, j in starts[n + 1:]:
+            if other >= start + span:
+                break
+            if other == start or _reachable(other - start, dims):
+                i, j = min(i, j), max(i, j)
+                raise ValueError(f"caches[{j}]: expected distinct tensors, got memory that "
+                                 f"overlaps caches[{i}] (it would be compacted twice)")
+
+
+def _reachable(offset: int, dims: list, budget: int = 4096) -> bool:
+    """Whether ``offset = sum c * stride`` with ``|c| < size`` over ``dims`` (largest stride
+    first). A depth-first search over the few coefficients that keep the rest reachable; past
+    ``budget`` steps (pathological strides) it answers True, the safe side."""
+    reach = [0] * (len(dims) + 1)  # reach[k]: the largest |sum| of dims[k:]
+    for k in range(len(dims) - 1, -1, -1):
+        reach[k] = reach[k + 1] + (dims[k][1] - 1) * dims[k][0]
+    steps = 0
+    stack = [(0, offset)]
+    while stack:
+        k, rest = stack.pop()
+        if k == len(dims):
+            if rest == 0:
+                return True
+            continue
+        stride, size = dims[k]
+        low = max(-(size - 1), -((reach[k + 1] - rest) // stride))
+        high = min(size - 1, (rest + reach[k + 1]) // stride)
+        for c in range(low, high + 1):
+            steps += 1
+            if steps > budget:
+                return True
+            stack.append((k + 1, rest - c * stride))
+    return False
+
+
 def _position_rows_ok(cache: torch.Tensor, *, paged: bool, layout: str) -> bool:
     """What the extension can address (csrc/torch/ops.cpp): a position's elements dense, or
     (``[.., H, D]`` trailing, and always for ``"bhsd"``) rows of a contiguous last dimension."""
+    if cache.numel() == 0:  # nothing to address (zero-size dimensions get any stride)
+        return True
     last_contiguous = cache.stride(-1) == 1 or cache.size(-1) == 1
     if not paged and layout == "bhsd":
         return last_contiguous
@@ -101,8 +148,9 @@ def _check_indices(kv_lens, accepted_nodes, num_accepted, device: torch.device):
             raise ValueError(f"{name}: expected shape [{batch}] (B = accepted_nodes.shape[0]), "
                              f"got {list(tensor.shape)}")
     # The small index tensors follow the caches (the new lengths come back on their device).
-    return (kv_lens.to(device).contiguous(), accepted_nodes.to(device).contiguous(),
-            num_accepted.to(device).contiguous())
+    return tuple(to_device(tensor, name, device, "the caches' device").contiguous()
+                 for name, tensor in (("kv_lens", kv_lens), ("accepted_nodes", accepted_nodes),
+                                      ("num_accepted", num_accepted)))
 
 
 def _first(bad: torch.Tensor) -> int:
@@ -120,20 +168,25 @@ def _validate(kv_lens, accepted_nodes, num_accepted, *, seq_len=None, block_tabl
     start = kv_lens.to(torch.int64)
     live = entry[None, :] <= count.clamp(0, n - 1)[:, None]  # the path, root included
     last = nodes.gather(1, count.clamp(0, n - 1)[:, None])[:, 0]
-    end = start + last  # the last position the path reads
+    # The last position the path reads; it can pass int64 only where an earlier check fails
+    # (kv_lens near 2**63), and capacity - last below cannot (0 <= last < N by then).
+    end = start + last
     no = torch.zeros(batch, dtype=torch.bool, device=device)
     bad_len = start < 0
     bad_count = (count < 0) | (count > n - 1)
     bad_root = nodes[:, 0] != 0
     bad_order = ((nodes[:, 1:] <= nodes[:, :-1]) & live[:, 1:]).any(1)
     bad_node = ((nodes >= n) & live).any(1)
+    columns = None if block_tables is None else block_tables.shape[1]
+    # Positions a new length can count: those of the cache, and no more than kv_lens' dtype
+    # holds (kv_lens + num_accepted + 1 <= kv_lens + last + 1 <= capacity: no overflow).
+    capacity = min(seq_len if columns is None else columns * block_size,
+                   torch.iinfo(kv_lens.dtype).max)
+    bad_end = start >= capacity - last
+    capacity = torch.full_like(end, capacity)
     if block_tables is None:
-        bad_end, bad_block = end >= seq_len, no
-        capacity = torch.full_like(end, seq_len)
+        bad_block = no
     else:
-        columns = block_tables.shape[1]
-        capacity = torch.full_like(end, columns * block_size)
-        bad_end = end >= capacity
         column = torch.arange(columns, device=device)[None, :]
         touched = ((column >= (start // block_size)[:, None])
                    & (column <= (end // block_size)[:, None]))
@@ -163,7 +216,7 @@ def _validate(kv_lens, accepted_nodes, num_accepted, *, seq_len=None, block_tabl
     where = "the cache (S)" if block_tables is None else "the request's block table"
     if which == 5:
         raise ValueError(f"accepted_nodes: request {b}'s path {path} reads position "
-                         f"kv_lens + {path[-1]} = {end[b].item()}, past {where}: expected "
+                         f"kv_lens + {path[-1]} = {start[b].item() + path[-1]}, past {where}: expected "
                          f"positions < {capacity[b].item()} (new length "
                          f"{start[b].item() + len(path)})")
     column = (torch.arange(block_tables.shape[1], device=device) >= start[b] // block_size) & (
@@ -296,7 +349,7 @@ def compact_paged_kv_cache(caches: Caches, block_tables: torch.Tensor, kv_lens: 
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables: expected {batch} rows (B = accepted_nodes.shape[0]), got "
                          f"shape {list(block_tables.shape)}")
-    block_tables = block_tables.to(device).contiguous()
+    block_tables = to_device(block_tables, "block_tables", device, "the caches' device").contiguous()
     num_blocks, block_size = caches[0].shape[:2]
     if block_size < 1:
         raise ValueError(f"caches: expected block_size >= 1, got shape {list(caches[0].shape)}")

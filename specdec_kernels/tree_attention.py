@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 
 from . import _extension
-from ._params import INDEX_DTYPES, check_tensor
+from ._params import INDEX_DTYPES, check_tensor, to_device
 from .reference import tree_attention as _reference
 from .reference.tree_attention import TreeAttention
 
@@ -16,9 +16,10 @@ __all__ = ["TreeAttention", "build_tree_attention"]
 PerRequestInt = Union[int, torch.Tensor, None]
 
 
-def _per_request(value: PerRequestInt, name: str, batch: int,
-                 device: torch.device) -> Optional[torch.Tensor]:
-    """None, an int (broadcast) or a ``[batch]`` int tensor; moved to ``device``."""
+def _per_request(value: PerRequestInt, name: str, batch: int, device: torch.device,
+                 expected: str) -> Optional[torch.Tensor]:
+    """None, an int (broadcast) or a ``[batch]`` int tensor; moved to ``device``. ``expected``
+    says the valid values, for an int that does not even fit int64."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -28,9 +29,11 @@ def _per_request(value: PerRequestInt, name: str, batch: int,
         if value.shape != (batch,):
             raise ValueError(f"{name}: expected an int or a [{batch}] tensor (one per request), "
                              f"got shape {list(value.shape)}")
-        return value.to(device).contiguous()
+        return to_device(value, name, device, "parents' device").contiguous()
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected an int or an int tensor, got {type(value).__name__}")
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name}: expected {expected}, got {value}")
     return torch.full((batch,), value, dtype=torch.int64, device=device)
 
 
@@ -52,7 +55,9 @@ def _validate(parents: torch.Tensor, num_nodes: Optional[torch.Tensor],
     bad_root = parent[:, 0] != -1
     bad_edge = (((parent < 0) | (parent >= nodes)) & (nodes > 0)
                 & (nodes[None, :] < count[:, None]))  # [B, N]
-    bad_prefix = (prefix_lens < 0 if prefix_lens is not None
+    # position_ids = prefix_lens + depth, depth <= N - 1: it must fit int64.
+    prefix = None if prefix_lens is None else prefix_lens.to(torch.int64)
+    bad_prefix = (((prefix < 0) | (prefix > 2**63 - n)) if prefix is not None
                   else torch.zeros(batch, dtype=torch.bool, device=device))
     failed = torch.stack([bad_count.any(), bad_root.any(), bad_edge.any(),
                           bad_prefix.any()]).tolist()
@@ -74,8 +79,8 @@ def _validate(parents: torch.Tensor, num_nodes: Optional[torch.Tensor],
                          f"{value} ({kind})")
     if failed[3]:
         b = _first(bad_prefix)
-        raise ValueError(f"prefix_lens: expected values >= 0, got {prefix_lens[b].item()} for "
-                         f"request {b}")
+        raise ValueError(f"prefix_lens: expected values in [0, 2**63 - {n}] (>= 0, position "
+                         f"ids fit int64), got {prefix_lens[b].item()} for request {b}")
 
 
 def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = None,
@@ -133,8 +138,9 @@ def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = No
         raise ValueError(f"parents: expected at least one node (the root), got shape "
                          f"{list(parents.shape)}")
     device = parents.device
-    num_nodes = _per_request(num_nodes, "num_nodes", batch, device)
-    prefix_lens = _per_request(prefix_lens, "prefix_lens", batch, device)
+    num_nodes = _per_request(num_nodes, "num_nodes", batch, device, f"values in [1, {n}] (N)")
+    prefix_lens = _per_request(prefix_lens, "prefix_lens", batch, device,
+                               f"values in [0, 2**63 - {n}] (position ids fit int64)")
     if validate:
         _validate(parents, num_nodes, prefix_lens)
     if _extension.use_extension("build_tree_attention", backend, device):

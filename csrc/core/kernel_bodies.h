@@ -64,7 +64,7 @@ SPECDEC_HOST_DEVICE void tree_rows(const TreeAttentionParams& p, int64_t b, int6
       bits = 0;
     }
     p.depth[b * num_nodes_max + node] = depth;
-    p.position_ids[b * num_nodes_max + node] = prefix + depth;
+    p.position_ids[b * num_nodes_max + node] = position_id(prefix, depth);
   }
 }
 
@@ -196,7 +196,7 @@ SPECDEC_HOST_DEVICE void compact_column(const CompactKernelArgs& args, int64_t c
     const int64_t kv_len = args.kv_lens[b];
     const int64_t num_accepted = clamp_num_accepted(args.num_accepted[b], num_nodes_max);
     if (writes_lengths && args.new_kv_lens != nullptr) {
-      const int64_t length = kv_len + num_accepted + 1;
+      const int64_t length = new_kv_len(kv_len, num_accepted);
       if (args.new_kv_lens_int64) {
         static_cast<int64_t*>(args.new_kv_lens)[b] = length;
       } else {
@@ -216,8 +216,8 @@ SPECDEC_HOST_DEVICE void compact_column(const CompactKernelArgs& args, int64_t c
         if (k > num_accepted) continue;
         const int64_t node = args.accepted_nodes[b * num_nodes_max + k];
         if (node == k || node < 0 || node >= num_nodes_max) continue;
-        const int64_t src = position_offset(g, args.block_tables, b, kv_len + node);
-        const int64_t dst = position_offset(g, args.block_tables, b, kv_len + k);
+        const int64_t src = path_position_offset(g, args.block_tables, b, kv_len, node);
+        const int64_t dst = path_position_offset(g, args.block_tables, b, kv_len, k);
         if (src < 0 || dst < 0) continue;
         staged[s] = *reinterpret_cast<const Vec*>(base + src + inner);
         destination[s] = dst;

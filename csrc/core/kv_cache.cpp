@@ -40,8 +40,8 @@ void compact_kv_cache_cpu(const CompactParams& params, int64_t item_begin, int64
       for (int64_t k = 1; k <= num_accepted; ++k) {
         const int64_t node = params.accepted_nodes[b * num_nodes_max + k];
         if (node == k || node < 0 || node >= num_nodes_max) continue;
-        const int64_t src = position_offset(g, params.block_tables, b, kv_len + node);
-        const int64_t dst = position_offset(g, params.block_tables, b, kv_len + k);
+        const int64_t src = path_position_offset(g, params.block_tables, b, kv_len, node);
+        const int64_t dst = path_position_offset(g, params.block_tables, b, kv_len, k);
         if (src < 0 || dst < 0) continue;
         std::memmove(row_base + dst, row_base + src, static_cast<size_t>(g.row_bytes));
       }

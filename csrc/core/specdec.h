@@ -50,6 +50,11 @@ struct TreeAttentionParams {
   int64_t* position_ids = nullptr;   // [B, N]
 };
 
+// prefix + depth, wrapping past int64 as torch does (validate=False only).
+SPECDEC_HOST_DEVICE int64_t position_id(int64_t prefix, int64_t depth) {
+  return static_cast<int64_t>(static_cast<uint64_t>(prefix) + static_cast<uint64_t>(depth));
+}
+
 SPECDEC_HOST_DEVICE int64_t packed_words(int64_t num_nodes) { return (num_nodes + 31) / 32; }
 
 // Requests [request_begin, request_end) on the calling thread. Requests are independent,
@@ -119,6 +124,22 @@ SPECDEC_HOST_DEVICE int64_t position_offset(const CacheGeometry& g, const IndexV
   const int64_t block = block_tables[b * g.max_blocks_per_request + column];
   if (block < 0 || block >= g.num_blocks) return -1;
   return block * g.block_stride + (t % g.block_size) * g.position_stride;
+}
+
+// Byte offset of path position kv_len + index (kv_len >= 0, index >= 0), or -1 when it lies
+// outside the cache; a sum past int64 (only reachable with validate=False) is outside too.
+SPECDEC_HOST_DEVICE int64_t path_position_offset(const CacheGeometry& g,
+                                                 const IndexView& block_tables, int64_t b,
+                                                 int64_t kv_len, int64_t index) {
+  if (kv_len > INT64_MAX - index) return -1;
+  return position_offset(g, block_tables, b, kv_len + index);
+}
+
+// kv_len + num_accepted + 1, wrapping in two's complement past int64 as torch does (only
+// reachable with validate=False; signed overflow would be undefined).
+SPECDEC_HOST_DEVICE int64_t new_kv_len(int64_t kv_len, int64_t num_accepted) {
+  return static_cast<int64_t>(static_cast<uint64_t>(kv_len) + static_cast<uint64_t>(num_accepted) +
+                              1u);
 }
 
 // new_kv_lens[b] = kv_lens[b] + num_accepted[b] + 1 for requests [begin, end).

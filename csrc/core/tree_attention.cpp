@@ -63,7 +63,7 @@ void build_tree_attention_cpu(const TreeAttentionParams& params, int64_t request
         depth[node] = 0;
       }
       row[node >> 5] |= 1u << (node & 31);
-      position_ids[node] = prefix + depth[node];
+      position_ids[node] = position_id(prefix, depth[node]);
     }
     if (params.mask != nullptr) {
       uint8_t* mask = params.mask + b * num_nodes_max * num_nodes_max;

@@ -31,6 +31,7 @@ void set_rows(CacheGeometry& g, const at::Tensor& cache, int64_t first, int64_t 
     if (cache.size(dim) != 1 && cache.stride(dim) != expected) dense = false;
     expected *= cache.size(dim);
   }
+  if (expected == 0) dense = true;  // an empty position holds no bytes, whatever its strides
   if (dense) {
     g.rows_per_position = 1;
     g.row_bytes = expected * element;

@@ -8,7 +8,8 @@ written, which is what makes overlapping moves (path ``[0, 2, 3]``) correct. Mov
 
 Entries only reachable with ``validate=False`` are skipped the way the compiled kernels skip
 them: a node outside ``[0, N)``, a source or destination outside the cache (past ``S``, past
-the request's block table, or in a block outside the pool), a negative ``kv_lens``;
+the request's block table, in a block outside the pool, or past int64), a negative
+``kv_lens``;
 ``num_accepted`` is clamped to ``[0, N - 1]``.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Sequence, Union
 import torch
 
 Caches = Union[torch.Tensor, Sequence[torch.Tensor]]
+INT64_MAX = 2**63 - 1
 
 
 def _as_list(caches: Caches) -> list[torch.Tensor]:
@@ -32,8 +34,10 @@ def _moves(kv_lens: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: to
     node = accepted_nodes.to(device=device, dtype=torch.int64)
     count = num_accepted.to(device=device, dtype=torch.int64).clamp(0, n - 1)[:, None]
     start = kv_lens.to(device=device, dtype=torch.int64)[:, None]
+    # A position past int64 (kv_lens near 2**63, validate=False) is outside the cache.
+    fits = (start <= INT64_MAX - node) & (start <= INT64_MAX - entry)
     moves = ((entry >= 1) & (entry <= count) & (node != entry) & (node >= 0) & (node < n)
-             & (start >= 0))
+             & (start >= 0) & fits)
     return start + node, start + entry, moves
 
 
