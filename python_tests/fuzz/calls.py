@@ -154,12 +154,12 @@ def _kv_call(draw, call: Call, garbage: bool):
         kw["kv_lens"] = draw(garbage_index((d.batch,)))
     else:
         kw["accepted_nodes"], kw["num_accepted"] = draw(accepted_paths(d.batch, nodes))
-    last = [int(kw["accepted_nodes"][b, min(max(int(kw["num_accepted"][b]), 0), nodes - 1)])
+    # The path's last node sizes a valid call's cache; garbage gets caches of any small size.
+    last = [0 if garbage else int(kw["accepted_nodes"][b, int(kw["num_accepted"][b])])
             for b in range(d.batch)]
     if paged:
         block_size = draw(st.integers(1, 4))
-        columns = draw(st.integers(1, 4)) + (max([max(v, 0) for v in last], default=0)
-                                             // block_size if not garbage else 0)
+        columns = draw(st.integers(1, 4)) + max(last, default=0) // block_size
         num_blocks = d.batch * columns + draw(st.integers(0, 2))
         shape = (num_blocks, block_size, heads, head_dim)
         if draw(st.booleans()):  # a 3-D or 5-D pool

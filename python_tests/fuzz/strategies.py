@@ -112,12 +112,16 @@ BAD_SAMPLING = {  # name -> (bad values, exception); any form (scalar or tensor)
 # Garbage for validate=False (tensors only: Python numbers are checked whatever validate says).
 GARBAGE_SAMPLING = {
     "temperature": lambda d: st.lists(st.sampled_from([-1.0, math.nan, math.inf, 1e39, 0.0, 1.0]),
-                                      min_size=d.batch, max_size=d.batch).map(torch.tensor),
+                                      min_size=d.batch, max_size=d.batch).map(_float64),
     "top_k": lambda d: st.lists(st.integers(-2**40, 2**40), min_size=d.batch,
-                                max_size=d.batch).map(torch.tensor),
+                                max_size=d.batch).map(lambda v: torch.tensor(v, dtype=torch.int64)),
     "top_p": lambda d: st.lists(st.sampled_from([-1.0, 0.0, math.nan, 2.0, 0.5]),
-                                min_size=d.batch, max_size=d.batch).map(torch.tensor),
+                                min_size=d.batch, max_size=d.batch).map(_float64),
 }
+
+
+def _float64(values):
+    return torch.tensor(values, dtype=torch.float64)
 
 RNG_ARGS = {
     "seed": lambda d: per_request(d, st.integers(-2**63, 2**64 - 1), floating=False,
