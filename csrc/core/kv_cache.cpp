@@ -14,8 +14,8 @@ void compute_new_kv_lens_cpu(const CompactParams& params, int64_t request_begin,
                              int64_t request_end) {
   if (params.new_kv_lens == nullptr) return;
   for (int64_t b = request_begin; b < request_end; ++b) {
-    const int64_t length =
-        params.kv_lens[b] + clamp_num_accepted(params.num_accepted[b], params.num_nodes_max) + 1;
+    const int64_t length = new_kv_len(
+        params.kv_lens[b], clamp_num_accepted(params.num_accepted[b], params.num_nodes_max));
     if (params.new_kv_lens_int64) {
       static_cast<int64_t*>(params.new_kv_lens)[b] = length;
     } else {
