@@ -98,8 +98,8 @@ def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = No
             Shape ``(batch_size, num_nodes)``; int32 or int64.
         num_nodes: int or ``(batch_size,)`` int tensor in ``1..N``: nodes ``>= num_nodes[b]``
             are padding. Default: every node is real.
-        prefix_lens: int or ``(batch_size,)`` int tensor ``>= 0``: committed tokens before the
-            root (the root's position). Default 0.
+        prefix_lens: int or ``(batch_size,)`` int tensor in ``[0, 2**63 - N]`` (position ids
+            fit int64): committed tokens before the root (the root's position). Default 0.
         backend: ``"auto"`` (the compiled extension when built, else the reference),
             ``"extension"`` or ``"reference"``.
         validate: check the values of ``parents``, ``num_nodes`` and ``prefix_lens`` (one
@@ -117,7 +117,8 @@ def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = No
     Raises:
         TypeError: an argument of the wrong type or integer dtype.
         ValueError: wrong shapes, or (``validate=True``) parents that are not a tree in
-            topological order, ``num_nodes`` outside ``[1, N]``, negative ``prefix_lens``.
+            topological order, ``num_nodes`` outside ``[1, N]``, ``prefix_lens`` outside
+            ``[0, 2**63 - N]``; Python ints past int64 whatever ``validate`` says.
 
     Example:
         >>> import torch
