@@ -216,8 +216,8 @@ def _validate(kv_lens, accepted_nodes, num_accepted, *, seq_len=None, block_tabl
     where = "the cache (S)" if block_tables is None else "the request's block table"
     if which == 5:
         raise ValueError(f"accepted_nodes: request {b}'s path {path} reads position "
-                         f"kv_lens + {path[-1]} = {start[b].item() + path[-1]}, past {where}: expected "
-                         f"positions < {capacity[b].item()} (new length "
+                         f"kv_lens + {path[-1]} = {start[b].item() + path[-1]}, past {where}: "
+                         f"expected positions < {capacity[b].item()} (new length "
                          f"{start[b].item() + len(path)})")
     column = (torch.arange(block_tables.shape[1], device=device) >= start[b] // block_size) & (
         torch.arange(block_tables.shape[1], device=device) <= end[b] // block_size)
@@ -349,7 +349,8 @@ def compact_paged_kv_cache(caches: Caches, block_tables: torch.Tensor, kv_lens: 
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables: expected {batch} rows (B = accepted_nodes.shape[0]), got "
                          f"shape {list(block_tables.shape)}")
-    block_tables = to_device(block_tables, "block_tables", device, "the caches' device").contiguous()
+    block_tables = to_device(block_tables, "block_tables", device,
+                             "the caches' device").contiguous()
     num_blocks, block_size = caches[0].shape[:2]
     if block_size < 1:
         raise ValueError(f"caches: expected block_size >= 1, got shape {list(caches[0].shape)}")

@@ -107,7 +107,8 @@ def _value_mutations(call, draw):
             return "accepted_nodes", ValueError
 
         def overlapping():
-            kw["caches"] = kw["caches"] + [kw["caches"][draw(st.integers(0, len(kw["caches"]) - 1))]]
+            again = draw(st.integers(0, len(kw["caches"]) - 1))
+            kw["caches"] = kw["caches"] + [kw["caches"][again]]
             return "caches", ValueError
         out += [bad_len, bad_count, bad_root, past_cache, overlapping]
         if int(kw["num_accepted"][b]) >= 1:
