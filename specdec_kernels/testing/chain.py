@@ -162,7 +162,11 @@ def check_chain_verifier(verify: Callable, *, draft_modes: Sequence[str] = DRAFT
 
     for index, (method, mode, setting) in enumerate(configs):
         config = f"{method} {mode} {setting.label()}"
-        ids, drafts, _ = run(method, mode, setting, trials, seed * 1000 + index)
+        args, kwargs = make(method, mode, setting, trials, seed * 1000 + index)
+        (ids,) = caller(args, kwargs, trials)
+        drafts = args[1]
+        if index == 0:
+            first_call = (args, kwargs, [ids], config)
         good = _check_format(ids, drafts, vocab_size, num_drafts)
         report.results.append(_core.format_result(config, good, "drafts, then one token, then -1"))
         p_table = _laws.processed_probs(instance.target_logits, setting)
@@ -184,12 +188,7 @@ def check_chain_verifier(verify: Callable, *, draft_modes: Sequence[str] = DRAFT
                                                          batch, "the arg-max answer"))
 
     if seeded:
-        method, mode, setting = configs[0]
-        batch = min(trials, 2048)
-        args, kwargs = make(method, mode, setting, batch, seed * 1000 + 999)
-        report.results += _core.seed_tests(
-            lambda order: caller(*_core.take(args, kwargs, order, batch), len(order)),
-            batch, f"{method} {mode} {setting.label()}")
+        report.results += _core.seed_tests(caller, trials, *first_call)
 
     if tail:
         report.results += _tail_probes(caller, draft_modes, seeded, pass_method, tail_samples,

@@ -72,6 +72,8 @@ def check_sampler(sample: Callable, *, params: Sequence[str] = ("temperature", "
         args, kwargs, which = make(setting, trials, seed * 1000 + index)
         (ids,) = caller(args, kwargs, trials)
         ids = ids.reshape(-1)
+        if index == 0:
+            first_call = (args, kwargs, [ids], config)
         good = (ids >= 0) & (ids < vocab_size)
         report.results.append(_core.format_result(config, good, "ids in [0, V)"))
         law = _laws.processed_probs(rows, setting)
@@ -89,11 +91,7 @@ def check_sampler(sample: Callable, *, params: Sequence[str] = ("temperature", "
                                                  int((ids.reshape(-1) != expected).sum()), batch,
                                                  "lowest id among ties"))
     if seeded:
-        batch = min(trials, 2048)
-        args, kwargs, _ = make(settings[0], batch, seed * 1000 + 999)
-        report.results += _core.seed_tests(
-            lambda order: caller(*_core.take(args, kwargs, order, batch), len(order)),
-            batch, settings[0].label())
+        report.results += _core.seed_tests(caller, trials, *first_call)
     if tail:
         logits = torch.zeros(1, vocab_size)
         logits[0, 0] = math.log(1e-5 * (vocab_size - 1) / (1 - 1e-5))

@@ -177,6 +177,8 @@ def check_tree_verifier(verify: Callable, *, draft_modes: Sequence[str] = DRAFT_
         config = f"{method} {mode} {setting.label()}"
         args, kwargs = make(method, mode, setting, trials, seed * 1000 + index)
         ids, path = caller(args, kwargs, trials)
+        if index == 0:
+            first_call = (args, kwargs, [ids, path], config)
         good = _check_format(ids, path, args[1], args[2], vocab_size)
         report.results.append(_core.format_result(config, good, "root path, one token, -1"))
         p_table = _laws.processed_probs(instance.target_logits, setting)
@@ -199,11 +201,6 @@ def check_tree_verifier(verify: Callable, *, draft_modes: Sequence[str] = DRAFT_
                 report.results.append(_core.exact_result("greedy arg-max", f"{method} {mode} greedy",
                                                          mismatches, batch, "the arg-max answer"))
     if seeded:
-        method, mode, setting = configs[0]
-        batch = min(trials, 2048)
-        args, kwargs = make(method, mode, setting, batch, seed * 1000 + 999)
-        report.results += _core.seed_tests(
-            lambda order: caller(*_core.take(args, kwargs, order, batch), len(order)),
-            batch, f"{method} {mode} {setting.label()}")
+        report.results += _core.seed_tests(caller, trials, *first_call)
     report.runtime_s = time.perf_counter() - started
     return report
