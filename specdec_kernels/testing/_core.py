@@ -45,6 +45,36 @@ def describe(fn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
+@dataclass
+class Plan:
+    """What a window check (chain or tree) runs: its configurations, their size and level."""
+    settings: list
+    greedy: list
+    configs: list      # (method, draft mode, setting)
+    tests: int         # statistical tests, for Bonferroni
+    alpha_test: float
+    trials: int        # per configuration
+    pass_method: bool  # pass method= (more than "token" declared)
+    caller: "Caller"
+    gen: torch.Generator
+
+
+def plan_windows(fn, *, outputs: int, params, draft_modes, methods, depth: int, vocab: int,
+                 exact_acceptance, extra_tests: int, budget: "Budget", seeded: bool,
+                 per_request: bool, device) -> Plan:
+    """``exact_acceptance(method)``: whether that method has an exact acceptance law."""
+    settings = sampled_settings(params)
+    greedy = [SamplingSetting(temperature=0.0)] if "temperature" in params else []
+    configs = [(m, d, s) for m in methods for d in draft_modes for s in settings]
+    tests = sum(window_test_count(depth, exact_acceptance(m)) for m, _, _ in configs) + extra_tests
+    trials = budget.trials(vocab ** (depth + 1) - 1, tests)
+    caller = Caller(fn, outputs=outputs, device=device, seeded=seeded,
+                    batch_size=budget.batch_size, seed=budget.seed, per_request=per_request)
+    return Plan(settings, greedy, configs, tests, budget.alpha / tests, trials,
+                tuple(methods) != ("token",), caller,
+                torch.Generator().manual_seed(budget.seed + 1))
+
+
 def check_declared(params: Sequence[str], allowed: Sequence[str], what: str) -> None:
     unknown = [p for p in params if p not in allowed]
     if unknown:

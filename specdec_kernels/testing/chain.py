@@ -9,7 +9,7 @@ import torch
 
 from . import _core, _laws
 from ._laws import SamplingSetting
-from .report import Report, TestResult
+from .report import Report
 
 DRAFT_MODES = ("one_hot", "probs", "logits")
 METHODS = ("token", "block")
@@ -117,25 +117,24 @@ def check_chain_verifier(verify: Callable, *, draft_modes: Sequence[str] = DRAFT
     started = time.perf_counter()
     _core.check_declared(draft_modes, DRAFT_MODES, "draft_modes")
     _core.check_declared(methods, METHODS, "methods")
-    settings = _core.sampled_settings(params)
-    greedy = [SamplingSetting(temperature=0.0)] if "temperature" in params else []
     budget = _core.Budget(alpha, tv, power, samples, max_samples, batch_size, seed)
+    plan = _core.plan_windows(verify, outputs=1, params=params, draft_modes=draft_modes,
+                              methods=methods, depth=num_drafts, vocab=vocab_size,
+                              exact_acceptance=lambda m: True, extra_tests=2 if tail else 0,
+                              budget=budget, seeded=seeded, per_request=per_request,
+                              device=device)
+    settings, greedy, configs, tests = plan.settings, plan.greedy, plan.configs, plan.tests
+    alpha_test, trials, pass_method = plan.alpha_test, plan.trials, plan.pass_method
+    caller, gen = plan.caller, plan.gen
     instance = ChainInstance(vocab_size, num_drafts, seed, settings)
-    configs = [(m, d, s) for m in methods for d in draft_modes for s in settings]
-    tests = len(configs) * _core.window_test_count(num_drafts, True) + (2 if tail else 0)
-    alpha_test = alpha / tests
-    trials = budget.trials(vocab_size ** (num_drafts + 1) - 1, tests)
-    pass_method = tuple(methods) != ("token",)
-    caller = _core.Caller(verify, outputs=1, device=device, seeded=seeded,
-                          batch_size=batch_size, seed=seed, per_request=per_request)
-    gen = torch.Generator().manual_seed(seed + 1)
     total = trials * len(configs) + (2 * tail_samples if tail else 0)
-    plan = _core.plan_line(len(configs), trials, total, (2 * num_drafts + 1) * vocab_size * 4,
-                           batch_size, f"; {len(greedy) * len(draft_modes) * len(methods)} "
-                           f"greedy configurations")
+    plan_text = _core.plan_line(len(configs), trials, total,
+                                (2 * num_drafts + 1) * vocab_size * 4, batch_size,
+                                f"; {len(greedy) * len(draft_modes) * len(methods)} "
+                                f"greedy configurations")
     report = Report(f"check_chain_verifier({_core.describe(verify)}): "
                     f"V={vocab_size}, K={num_drafts}, {tests} statistical tests",
-                    alpha, seed, plan)
+                    alpha, seed, plan_text)
 
     def make(method, mode, setting, batch, base):
         """The inputs of one call: (args, kwargs) with every per-request tensor ``[B, ...]``."""

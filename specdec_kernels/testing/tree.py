@@ -134,24 +134,23 @@ def check_tree_verifier(verify: Callable, *, draft_modes: Sequence[str] = DRAFT_
     _core.check_declared(methods, METHODS, "methods")
     shape = TreeShape(parents)
     depth = shape.max_depth
-    settings = _core.sampled_settings(params)
-    greedy = [SamplingSetting(temperature=0.0)] if "temperature" in params else []
     budget = _core.Budget(alpha, tv, power, samples, max_samples, batch_size, seed)
-    instance = ChainInstance(vocab_size, depth, seed, settings)
-    configs = [(m, d, s) for m in methods for d in draft_modes for s in settings]
-    tests = sum(_core.window_test_count(depth, m == "token") for m, _, _ in configs)
-    alpha_test = alpha / tests
-    trials = budget.trials(vocab_size ** (depth + 1) - 1, tests)
-    pass_method = tuple(methods) != ("token",)
-    caller = _core.Caller(verify, outputs=2, device=device, seeded=seeded,
-                          batch_size=batch_size, seed=seed, per_request=per_request)
-    gen = torch.Generator().manual_seed(seed + 1)
-    plan = _core.plan_line(len(configs), trials, trials * len(configs),
-                           2 * shape.nodes * vocab_size * 4, batch_size,
-                           f"; {len(greedy) * len(draft_modes) * len(methods)} greedy configurations")
+    plan = _core.plan_windows(verify, outputs=2, params=params, draft_modes=draft_modes,
+                              methods=methods, depth=depth, vocab=vocab_size,
+                              exact_acceptance=lambda m: m == "token", extra_tests=0,
+                              budget=budget, seeded=seeded, per_request=per_request,
+                              device=device)
+    greedy, configs, tests = plan.greedy, plan.configs, plan.tests
+    alpha_test, trials, pass_method = plan.alpha_test, plan.trials, plan.pass_method
+    caller, gen = plan.caller, plan.gen
+    instance = ChainInstance(vocab_size, depth, seed, plan.settings)
+    plan_text = _core.plan_line(len(configs), trials, trials * len(configs),
+                                2 * shape.nodes * vocab_size * 4, batch_size,
+                                f"; {len(greedy) * len(draft_modes) * len(methods)} greedy "
+                                f"configurations")
     report = Report(f"check_tree_verifier({_core.describe(verify)}): "
                     f"V={vocab_size}, parents={tuple(parents)}, {tests} statistical tests",
-                    alpha, seed, plan)
+                    alpha, seed, plan_text)
     parents_t = torch.tensor(shape.parents, dtype=torch.int64)
 
     def q_table(mode):
