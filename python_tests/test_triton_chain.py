@@ -149,7 +149,7 @@ def test_edge_cases(mode):
 
 def test_split_vocabulary_race(monkeypatch):
     from specdec_kernels import _rng
-    from specdec_kernels.triton import sampling as tsampling
+    from specdec_kernels.triton import race, stats
     gen = torch.Generator().manual_seed(4)
     batch, num_drafts, vocab = 12, 3, 600
     results = []
@@ -157,8 +157,8 @@ def test_split_vocabulary_race(monkeypatch):
     target, drafts, kwargs = _problem(batch, num_drafts, vocab, torch.bfloat16, "draft_logits", gen, params)
     monkeypatch.setattr(_rng, "RACE_GROUP", 32)  # 19 groups, 2 per chunk of 64
     for override in (None, 64):  # 64: the race and the row statistics split over programs
-        monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", override)
-        monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", override)
+        monkeypatch.setattr(race, "RACE_CHUNK_OVERRIDE", override)
+        monkeypatch.setattr(stats, "STATS_CHUNK_OVERRIDE", override)
         tokens, accepted, want, same = _run(target, drafts, kwargs, params, None, torch.arange(batch),
                                             torch.ones(batch, dtype=torch.long))
         results.append(tokens)
@@ -172,9 +172,9 @@ def test_multi_group_race(monkeypatch, mode, chunk):
     """Groups of 16 tokens over V = 203 (13 groups, the last one partial), in one program per
     request or split over chunks of 6 groups: both levels of the race equal the reference."""
     from specdec_kernels import _rng
-    from specdec_kernels.triton import sampling as tsampling
+    from specdec_kernels.triton import race
     monkeypatch.setattr(_rng, "RACE_GROUP", 16)
-    monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", chunk)
+    monkeypatch.setattr(race, "RACE_CHUNK_OVERRIDE", chunk)
     gen = torch.Generator().manual_seed(11)
     batch, num_drafts, vocab = 20, 3, 203
     params = mixed_params(batch, vocab, gen)
@@ -192,11 +192,11 @@ def test_split_unfiltered_statistics_merged_by_the_race(monkeypatch, mode, race_
     row, in one program or in chunks, and the tokens equal the reference (greedy, sampled
     and no-finite-logit rows)."""
     from specdec_kernels import _rng
-    from specdec_kernels.triton import sampling as tsampling
+    from specdec_kernels.triton import race, stats
     monkeypatch.setattr(_rng, "RACE_GROUP", 32)
-    monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", 100)
-    monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", race_chunk)
-    launched = spy_launches(monkeypatch, tsampling, "_row_stats_finish_kernel")
+    monkeypatch.setattr(stats, "STATS_CHUNK_OVERRIDE", 100)
+    monkeypatch.setattr(race, "RACE_CHUNK_OVERRIDE", race_chunk)
+    launched = spy_launches(monkeypatch, stats, "_row_stats_finish_kernel")
     gen = torch.Generator().manual_seed(13)
     batch, num_drafts, vocab = 10, 3, 450
     params = dict(temperature=torch.tensor([0.0, 1.0, 0.6, 1.4, 0.0] * 2))

@@ -16,7 +16,7 @@ import triton.language as tl
 import specdec_kernels as sk
 from specdec_kernels import _params
 from specdec_kernels.reference import sampling as ref
-from specdec_kernels.triton import sampling as tsampling
+from specdec_kernels.triton import _tiles, filters, race, stats
 from conftest import mixed_params, spy_launches
 
 pytestmark = pytest.mark.skipif(
@@ -31,10 +31,14 @@ def _logits(shape, dtype, gen, scale=3.0):
     return x.to(dtype).to(DEVICE)
 
 
+def _row_stats(logits, params, **kwargs):
+    """``row_stats`` of ``[B, V]`` logits (one row per request)."""
+    return stats.row_stats(logits[:, None], params, **kwargs)
+
+
 def _stats_probs(logits, params):
     """Probabilities rebuilt from the kernel's row statistics (x_max, x_thr, norm, argmax)."""
-    from specdec_kernels.triton.sampling import row_stats
-    result = row_stats(logits, params, 1, logits.stride(0), 0)
+    result = _row_stats(logits, params)
     stats, argmax = result.stats.cpu(), result.argmax.cpu()
     x = logits.float().cpu()
     x = torch.where(torch.isfinite(x), x, -torch.inf)
@@ -76,9 +80,8 @@ def test_top_k_ties_and_top_p_boundaries_are_exact(monkeypatch, search):
     """Integer logits: many exact ties, so off-by-one thresholds would show. ``gpu`` runs the
     GPU's search shape (8 pivots a pass, blocks of 16 logits streamed 4 per iteration) where the
     interpreter otherwise uses one block and 256 pivots: more passes, the same thresholds."""
-    from specdec_kernels.triton import sampling as tsampling
     if search == "gpu":
-        monkeypatch.setattr(tsampling, "SEARCH_CONFIG_OVERRIDE", (16, 4, tsampling.NUM_PIVOTS))
+        monkeypatch.setattr(filters, "SEARCH_CONFIG_OVERRIDE", (16, 4, filters.NUM_PIVOTS))
     gen = torch.Generator().manual_seed(3)
     batch, vocab = 24, 300
     logits = torch.randint(-6, 6, (batch, vocab), generator=gen).float().to(DEVICE)
@@ -131,7 +134,6 @@ def test_sample_split_vocabulary_race(monkeypatch):
     """The split-V race (several programs per request + deterministic reduction) gives the
     same tokens as one program per request, and as the reference."""
     from specdec_kernels import _rng
-    from specdec_kernels.triton import sampling as tsampling
     monkeypatch.setattr(_rng, "RACE_GROUP", 64)  # 16 groups, 2 per chunk of 128
     gen = torch.Generator().manual_seed(5)
     batch, vocab = 12, 1000
@@ -141,8 +143,8 @@ def test_sample_split_vocabulary_race(monkeypatch):
     seeds = torch.arange(batch, device=DEVICE)
     offsets = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
     whole = sk.sample(logits, seed=seeds, offset=offsets, backend="triton", **params)
-    monkeypatch.setattr(tsampling, "RACE_CHUNK_OVERRIDE", 128)
-    assert tsampling.race_chunks(batch, vocab, logits.device)[1] > 1
+    monkeypatch.setattr(race, "RACE_CHUNK_OVERRIDE", 128)
+    assert race.race_chunks(batch, vocab, logits.device)[1] > 1
     split = sk.sample(logits, seed=seeds, offset=offsets, backend="triton", **params)
     assert torch.equal(whole, split)
     assert torch.equal(split.cpu(), sk.sample(logits.cpu(), seed=seeds.cpu(), offset=offsets.cpu(),
@@ -169,7 +171,6 @@ def test_split_row_statistics_equal_one_program_per_row(monkeypatch, dtype):
     same thresholds and arg-max as one program per row, and a norm within float rounding.
     Covers chunks without a finite logit, the row maximum in two chunks (the lower id wins)
     and a vocabulary that is not a multiple of the chunk."""
-    from specdec_kernels.triton import sampling as tsampling
     gen = torch.Generator().manual_seed(11)
     batch, vocab = 15, 1000
     logits = _logits((batch, vocab), dtype, gen)
@@ -179,11 +180,11 @@ def test_split_row_statistics_equal_one_program_per_row(monkeypatch, dtype):
     logits[4, 5] = torch.nan
     params = _params.sampling_params(**mixed_params(batch, vocab, gen, DEVICE), batch=batch,
                                      vocab_size=vocab, device=logits.device, validate=True)
-    whole = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
+    whole = _row_stats(logits, params)
     for override in (64, 100, 256):
-        monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", override)
-        assert tsampling.stats_chunks(batch, vocab, logits.device)[1] > 1
-        split = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
+        monkeypatch.setattr(stats, "STATS_CHUNK_OVERRIDE", override)
+        assert stats.stats_chunks(batch, vocab, logits.device)[1] > 1
+        split = _row_stats(logits, params)
         assert torch.equal(split[1], whole[1]), "arg-max"
         assert int(split[1][3]) == 10
         assert torch.equal(split[0][:, :2], whole[0][:, :2]), "x_max and the top-k/top-p cut"
@@ -195,8 +196,8 @@ def _read_row_stats(stats_ptr, argmax_ptr, temperature_ptr, out_f_ptr, out_i_ptr
                     STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr):
     """Row r's statistics as a consuming kernel sees them (``load_row_stats``)."""
     r = tl.program_id(0)
-    scale = tsampling.exp2_scale(tl.load(temperature_ptr + r))
-    x_max, x_thr, norm, argmax = tsampling.load_row_stats(
+    scale = _tiles.exp2_scale(tl.load(temperature_ptr + r))
+    x_max, x_thr, norm, argmax = stats.load_row_stats(
         stats_ptr, argmax_ptr, r, tl.full([], 1, tl.int1), scale, STATS_CHUNKS, STATS_CHUNKS_P2)
     tl.store(out_f_ptr + r * 3 + 0, x_max)
     tl.store(out_f_ptr + r * 3 + 1, x_thr)
@@ -220,11 +221,11 @@ def test_consumers_merge_unfiltered_partials_as_the_finish_kernel(monkeypatch, d
     temperature = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 2.0, 0.0, 0.5, 1.0], device=DEVICE)
     params = _params.sampling_params(temperature, None, None, batch=batch, vocab_size=vocab,
                                      device=logits.device, validate=True)
-    monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", 100)
-    finished = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
-    launched = spy_launches(monkeypatch, tsampling, "_row_stats_finish_kernel")
-    partials = tsampling.row_stats(logits, params, 1, logits.stride(0), 0, merge_in_consumer=True)
-    assert partials.chunks == tsampling.stats_chunks(batch, vocab, logits.device)[1] > 1
+    monkeypatch.setattr(stats, "STATS_CHUNK_OVERRIDE", 100)
+    finished = _row_stats(logits, params)
+    launched = spy_launches(monkeypatch, stats, "_row_stats_finish_kernel")
+    partials = _row_stats(logits, params, merge_in_consumer=True)
+    assert partials.chunks == stats.stats_chunks(batch, vocab, logits.device)[1] > 1
     assert not launched
     out_f = torch.empty((batch, 3), dtype=torch.float32, device=DEVICE)
     out_i = torch.empty(batch, dtype=torch.int32, device=DEVICE)
@@ -236,8 +237,7 @@ def test_consumers_merge_unfiltered_partials_as_the_finish_kernel(monkeypatch, d
     # Filters on: the finish kernel runs (it searches the thresholds), whatever the caller asks.
     filtered = _params.sampling_params(temperature, 5, None, batch=batch, vocab_size=vocab,
                                        device=logits.device, validate=True)
-    assert tsampling.row_stats(logits, filtered, 1, logits.stride(0), 0,
-                               merge_in_consumer=True).chunks == 1
+    assert _row_stats(logits, filtered, merge_in_consumer=True).chunks == 1
     assert len(launched) == 1
 
 
@@ -250,16 +250,15 @@ def test_gpu_search_shape_gives_the_same_thresholds(monkeypatch, dtype, candidat
     keys, so the most passes). ``candidates``: the candidate list's size, 0 (every pass reads
     the row), 12 (passes over the row until the kept set is small, then over the list) or
     2048 (the list from the start: it holds every row here)."""
-    from specdec_kernels.triton import sampling as tsampling
-    monkeypatch.setattr(tsampling, "SEARCH_CANDIDATES", candidates)
+    monkeypatch.setattr(filters, "SEARCH_CANDIDATES", candidates)
     gen = torch.Generator().manual_seed(21)
     batch, vocab = 20, 1000
     logits = _logits((batch, vocab), dtype, gen)
     logits[1, ::3] = -torch.inf
     params = _params.sampling_params(**mixed_params(batch, vocab, gen, DEVICE), batch=batch,
                                      vocab_size=vocab, device=logits.device, validate=True)
-    wide = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
-    monkeypatch.setattr(tsampling, "SEARCH_CONFIG_OVERRIDE", (16, 4, tsampling.NUM_PIVOTS))
-    narrow = tsampling.row_stats(logits, params, 1, logits.stride(0), 0)
+    wide = _row_stats(logits, params)
+    monkeypatch.setattr(filters, "SEARCH_CONFIG_OVERRIDE", (16, 4, filters.NUM_PIVOTS))
+    narrow = _row_stats(logits, params)
     assert torch.equal(narrow[0][:, :2], wide[0][:, :2]) and torch.equal(narrow[1], wide[1])
     torch.testing.assert_close(narrow[0][:, 2], wide[0][:, 2], rtol=2e-6, atol=0)

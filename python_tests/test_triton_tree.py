@@ -119,9 +119,9 @@ def test_triton_multi_group_race(monkeypatch, mode):
 def test_triton_split_unfiltered_statistics(monkeypatch, mode):
     """Node rows split over programs with no filter on: the walk merges the partials as it
     reads each row (no finish kernel) and still equals the reference."""
-    from specdec_kernels.triton import sampling as tsampling
-    monkeypatch.setattr(tsampling, "STATS_CHUNK_OVERRIDE", 16)
-    launched = spy_launches(monkeypatch, tsampling, "_row_stats_finish_kernel")
+    from specdec_kernels.triton import stats
+    monkeypatch.setattr(stats, "STATS_CHUNK_OVERRIDE", 16)
+    launched = spy_launches(monkeypatch, stats, "_row_stats_finish_kernel")
     _compare(12, 10, 61, mode, torch.float32, seed=5 + MODES.index(mode),
              temperature=torch.tensor([0.0, 0.8, 1.0, 1.3] * 3, device=DEVICE))
     assert not launched

@@ -111,7 +111,6 @@ def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
 _BROADCAST_CACHE: dict = {}
 _BROADCAST_CACHE_SIZE = 256
 _BROADCAST_LOCK = threading.Lock()  # misses only: a hit is one dict lookup
-_SCRATCH: dict = {}  # (dtype, device) -> one element; never evicted
 
 
 def _stream_key(device: torch.device) -> int:
@@ -148,18 +147,6 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
             del _BROADCAST_CACHE[next(iter(_BROADCAST_CACHE))]
         _BROADCAST_CACHE[key] = tensor
     return tensor
-
-
-def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A one-element tensor for kernel arguments that the chosen mode never reads (never
-    filled: no kernel), one per device and dtype, kept for the life of the process (so a
-    captured graph may hold it)."""
-    key = (dtype, device)
-    cached = _SCRATCH.get(key)
-    if cached is None:
-        with _BROADCAST_LOCK:
-            cached = _SCRATCH.setdefault(key, torch.empty(1, dtype=dtype, device=device))
-    return cached
 
 
 def _any(mask: torch.Tensor) -> bool:

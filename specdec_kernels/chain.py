@@ -34,12 +34,12 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
 
     Args:
         target_logits: raw target logits at the K draft positions and the bonus position.
-            Shape ``(batch_size, num_draft_tokens + 1, vocab_size)``; dtype float32, bfloat16
-            or float16.
+            Shape ``(batch_size, K + 1, vocab_size)``; dtype float32, bfloat16 or float16.
+            (K is the padded number of drafts; ``num_draft_tokens`` the live ones.)
         draft_token_ids: the drafted tokens; entries at ``j >= num_draft_tokens[b]`` are ignored
-            (``-1`` padding allowed). Shape ``(batch_size, num_draft_tokens)``; int32 or int64.
+            (``-1`` padding allowed). Shape ``(batch_size, K)``; int32 or int64.
         draft_probs: the exact distribution each draft token was drawn from.
-            Shape ``(batch_size, num_draft_tokens, vocab_size)``; float dtype.
+            Shape ``(batch_size, K, vocab_size)``; float dtype.
         draft_logits: instead of ``draft_probs``: ``q = processed_probs(draft_logits, same
             parameters)``. Shape and dtype as ``draft_probs``. Neither given: the drafter was
             deterministic and ``q`` is one-hot at the drafted token. Both: ``ValueError``.
@@ -53,7 +53,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
 
     Returns:
         ChainVerifyOutput with
-        ``output_token_ids``: Shape ``(batch_size, num_draft_tokens + 1)``; int32: the accepted
+        ``output_token_ids``: Shape ``(batch_size, K + 1)``; int32: the accepted
         drafts, then one correction or bonus token, then ``-1``.
         ``num_accepted``: Shape ``(batch_size,)``; int32; the request emits
         ``num_accepted + 1`` tokens.
@@ -65,7 +65,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     """
     batch, rows, vocab = _params.check_verify_logits(target_logits, "target_logits", "K+1")
     device = target_logits.device
-    num_drafts = rows - 1
+    num_drafts = rows - 1  # K
     _params.check_tensor(draft_token_ids, "draft_token_ids", dtypes=_params.INDEX_DTYPES,
                          device=device)
     _params.check_shape(draft_token_ids, "draft_token_ids", [batch, num_drafts],
@@ -82,33 +82,34 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=validate)
-    n = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device, torch.int32,
-                            num_drafts)
+    num_draft_tokens = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device,
+                                           torch.int32, num_drafts)
     if validate:
-        _check_chain_values(draft_token_ids, n, num_drafts, vocab)
-    n = _params.narrow_int32(n, 0, num_drafts)
+        _check_chain_values(draft_token_ids, num_draft_tokens, num_drafts, vocab)
+    num_draft_tokens = _params.narrow_int32(num_draft_tokens, 0, num_drafts)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
 
     if use_triton:
         from .triton import chain as _triton
         out, accepted = _triton.verify_chain(target_logits, draft_token_ids, draft_probs,
-                                             draft_logits, n, params, seeds, offsets)
+                                             draft_logits, num_draft_tokens, params, seeds,
+                                             offsets)
     else:
         out, accepted = _reference.verify_chain(target_logits, draft_token_ids, draft_probs,
-                                                draft_logits, n, params.temperature,
+                                                draft_logits, num_draft_tokens, params.temperature,
                                                 params.top_k, params.top_p, seeds, offsets)
     return ChainVerifyOutput(out, accepted)
 
 
-def _check_chain_values(draft_token_ids: torch.Tensor, n: torch.Tensor, num_drafts: int,
-                        vocab: int) -> None:
-    bad = (n < 0) | (n > num_drafts)
+def _check_chain_values(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
+                        num_drafts: int, vocab: int) -> None:
+    bad = (num_draft_tokens < 0) | (num_draft_tokens > num_drafts)
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
         raise ValueError(f"num_draft_tokens: expected values in 0..{num_drafts} (K), "
-                         f"got {int(n[b])} for request {b}")
-    live = torch.arange(num_drafts, device=n.device) < n[:, None]
+                         f"got {int(num_draft_tokens[b])} for request {b}")
+    live = torch.arange(num_drafts, device=num_draft_tokens.device) < num_draft_tokens[:, None]
     out_of_range = live & ((draft_token_ids < 0) | (draft_token_ids >= vocab))
     if bool(out_of_range.any()):
         b, j = (int(i) for i in out_of_range.nonzero()[0])

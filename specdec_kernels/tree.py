@@ -98,39 +98,39 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=validate)
-    n = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
+    num_nodes = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
     if validate:
-        _check_tree_values(tree_token_ids, parents, n, nodes, vocab)
-    n = _params.narrow_int32(n, 1, nodes)
+        _check_tree_values(tree_token_ids, parents, num_nodes, nodes, vocab)
+    num_nodes = _params.narrow_int32(num_nodes, 1, nodes)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
 
     if use_triton:
         from .triton import tree as _triton
         out, path, accepted = _triton.verify_tree(target_logits, tree_token_ids, parents,
-                                                  draft_probs, draft_sampling, n, params,
+                                                  draft_probs, draft_sampling, num_nodes, params,
                                                   seeds, offsets)
     else:
         out, path, accepted = _reference.verify_tree(
-            target_logits, tree_token_ids, parents, draft_probs, draft_sampling, n,
+            target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
             params.temperature, params.top_k, params.top_p, seeds, offsets)
     return TreeVerifyOutput(out, path, accepted)
 
 
-def _check_tree_values(tree_token_ids: torch.Tensor, parents: torch.Tensor, n: torch.Tensor,
-                       nodes: int, vocab: int) -> None:
-    bad = (n < 1) | (n > nodes)
+def _check_tree_values(tree_token_ids: torch.Tensor, parents: torch.Tensor,
+                       num_nodes: torch.Tensor, nodes: int, vocab: int) -> None:
+    bad = (num_nodes < 1) | (num_nodes > nodes)
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
         raise ValueError(f"num_nodes: expected values in 1..{nodes} (N, the root counts), "
-                         f"got {int(n[b])} for request {b}")
+                         f"got {int(num_nodes[b])} for request {b}")
     par = parents.to(torch.int64)
     if bool((par[:, 0] != -1).any()):
         b = int((par[:, 0] != -1).nonzero()[0, 0])
         raise ValueError(f"parents: expected -1 for the root (parents[b, 0]), "
                          f"got {int(par[b, 0])} for request {b}")
     index = torch.arange(nodes, device=par.device)
-    live = (index < n[:, None]) & (index > 0)
+    live = (index < num_nodes[:, None]) & (index > 0)
     not_tree = live & ((par < 0) | (par >= index))
     if bool(not_tree.any()):
         b, i = (int(x) for x in not_tree.nonzero()[0])

@@ -125,7 +125,7 @@ def _triton_parts(case: Case, temperature: float) -> list:
     """
     import specdec_kernels as sk  # noqa: PLC0415
     from specdec_kernels import _params  # noqa: PLC0415
-    from specdec_kernels.triton import sampling as tsampling  # noqa: PLC0415
+    from specdec_kernels.triton import stats as tstats  # noqa: PLC0415
 
     def prepare_stats(x):
         logits = x["target_logits"]
@@ -138,8 +138,7 @@ def _triton_parts(case: Case, temperature: float) -> list:
 
     def stats(y):
         logits, params = y
-        return tsampling.row_stats(logits, params, logits.shape[1], logits.stride(0),
-                                   logits.stride(1), merge_in_consumer=True)
+        return tstats.row_stats(logits, params, merge_in_consumer=True)
 
     parts = [Impl("triton", stats, kind="stage", stage="1_row_stats", prepare=prepare_stats)]
     if temperature > 0 and not _filters(case):

@@ -66,9 +66,9 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         q = None  # one-hot at the drafted token
 
     position = torch.arange(num_drafts, device=device)
-    n = num_draft_tokens.to(torch.int64).clamp(0, num_drafts)
+    live_drafts = num_draft_tokens.to(torch.int64).clamp(0, num_drafts)
     ids = draft_token_ids.to(torch.int64)
-    valid = (position < n[:, None]) & (ids >= 0) & (ids < vocab)
+    valid = (position < live_drafts[:, None]) & (ids >= 0) & (ids < vocab)
     drafts = torch.where(valid, ids, 0)
     u = _rng.uniform(seed[:, None], offset[:, None], position + 1, _rng.PURPOSE_ACCEPT)
     num_accepted, weights = chain_outcome(p, q, drafts, valid, temperature == 0, u)

@@ -55,10 +55,10 @@ def real_nodes(tree_token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: t
     token id)."""
     nodes = parents.shape[1]
     index = torch.arange(nodes, device=parents.device)
-    n = num_nodes.to(torch.int64).clamp(1, nodes)
+    live_nodes = num_nodes.to(torch.int64).clamp(1, nodes)
     par = parents.to(torch.int64)
     ids = tree_token_ids.to(torch.int64)
-    real = (index < n[:, None]) & (par >= 0) & (par < index) & (ids >= 0) & (ids < vocab)
+    real = (index < live_nodes[:, None]) & (par >= 0) & (par < index) & (ids >= 0) & (ids < vocab)
     real[:, 0] = False
     return real
 

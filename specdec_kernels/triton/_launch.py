@@ -6,6 +6,7 @@ call costs several microseconds in Triton 3.8; these plain versions cost well un
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -32,3 +33,43 @@ def _sm_count(index: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (queried once per device)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def block_size(vocab: int, device: torch.device, cap_gpu: int = 2048, cap_cpu: int = 8192) -> int:
+    """A power of two covering V up to a cap: no huge padded blocks for small V."""
+    cap = cap_cpu if interpreted(device) else cap_gpu
+    return max(16, min(next_pow2(vocab), cap))
+
+
+# Register bound (PTX .maxnreg) of the race and the tree walk on a GPU. Without one, ptxas
+# settles at 80 registers for the race with draft logits on sm_80 and spills 24 B; bounded at
+# 128 it takes 96 and spills nothing. (A bound makes ptxas use more registers, so the
+# statistics kernels, which do not spill, go without.)
+MAX_REGISTERS = 128
+
+
+def launch_options(device: torch.device, num_warps: int) -> dict:
+    """``num_warps`` and the register bound on a GPU; one warp, no options, in the interpreter."""
+    if interpreted(device):
+        return dict(num_warps=1)
+    return dict(num_warps=num_warps, maxnreg=MAX_REGISTERS)
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+_SCRATCH: dict = {}  # (dtype, device) -> one element; never evicted
+_SCRATCH_LOCK = threading.Lock()
+
+
+def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor for kernel arguments that the chosen mode never reads (never
+    filled: no kernel), one per device and dtype, kept for the life of the process (so a
+    captured graph may hold it)."""
+    key = (dtype, device)
+    cached = _SCRATCH.get(key)
+    if cached is None:
+        with _SCRATCH_LOCK:
+            cached = _SCRATCH.setdefault(key, torch.empty(1, dtype=dtype, device=device))
+    return cached

@@ -4,7 +4,8 @@ Launches, all asynchronous (no host synchronisation, CUDA-graph capturable with 
 
 1. ``_row_stats_kernel`` over the ``B*(K+1)`` target rows (and again over the ``B*K`` draft
    rows when ``draft_logits`` is given): one streaming pass per row, split over programs when
-   rows are few, plus pivot passes for rows whose top-k/top-p is active (``sampling.py``).
+   rows are few, plus pivot passes for rows whose top-k/top-p is active (``stats.py``,
+   ``filters.py``).
    Split rows are merged by ``_row_stats_finish_kernel`` when filters are on (it runs their
    search); unfiltered rows, target and draft, are merged by the race as it reads them
    (``load_row_stats``), one launch less each.
@@ -16,7 +17,8 @@ Launches, all asynchronous (no host synchronisation, CUDA-graph capturable with 
    then grid B for the reduction of the chunks' winners and the second level (the tokens of
    the winning group).
 
-No kernel of its own: both are in ``sampling.py`` (their ``COMPILE_SPECS`` cover the chain).
+No kernel of its own: both are in ``stats.py`` and ``race.py`` (their ``COMPILE_SPECS``
+cover the chain).
 
 Memory: the stats are ``[B*(K+1), 3]`` float32 + ``[B*(K+1)]`` int32 (and the same for draft
 rows); the race partials ``[B, chunks, 5]``. Nothing grows with ``B*K*V``.
@@ -25,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from .._params import scratch
-from .._rng import PURPOSE_RESAMPLE
-from .sampling import Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS, _last_dim_contiguous, race, row_stats
+from ._launch import last_dim_contiguous, scratch
+from .race import Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS, DraftInputs, race
+from .stats import row_stats
 
 
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -36,9 +38,9 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32)``; arguments parsed
     by the public layer (``num_draft_tokens`` int32 ``[B]``, seeds/offsets int64 ``[B]``)."""
-    target_logits = _last_dim_contiguous(target_logits)
+    target_logits = last_dim_contiguous(target_logits)
     batch, rows, vocab = target_logits.shape
-    num_drafts = rows - 1
+    num_drafts = rows - 1  # K
     device = target_logits.device
     out = torch.empty((batch, rows), dtype=torch.int32, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
@@ -48,28 +50,22 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         else draft_token_ids.contiguous()
     if num_drafts == 0:  # never read: no draft is live
         draft_ids = scratch(device, torch.int32)
-    num_draft = num_draft_tokens.to(torch.int32).contiguous()
 
-    stats = row_stats(target_logits, params, rows, target_logits.stride(0),
-                      target_logits.stride(1), merge_in_consumer=True)
-    q, q_stats, q_strides = None, None, (0, 0)
+    stats = row_stats(target_logits, params, merge_in_consumer=True)
+    q, q_stats = None, None
     if draft_logits is not None:
         q_mode = Q_LOGITS
-        q = _last_dim_contiguous(draft_logits)
+        q = last_dim_contiguous(draft_logits)
         if num_drafts > 0:
-            q_stats = row_stats(q, params, num_drafts, q.stride(0), q.stride(1),
-                                merge_in_consumer=True)
+            q_stats = row_stats(q, params, merge_in_consumer=True)
     elif draft_probs is not None:
         q_mode = Q_PROBS
-        q = _last_dim_contiguous(draft_probs)
+        q = last_dim_contiguous(draft_probs)
     else:
         q_mode = Q_ONE_HOT
-    if q is not None:
-        q_strides = (q.stride(0), q.stride(1))
     if num_drafts == 0:
         q_mode = Q_NONE  # no draft: the race is a bonus sample of p
-    race(target_logits, target_logits.stride(0), target_logits.stride(1), rows, stats, params,
-         seeds, offsets, out, out.stride(0), purpose=PURPOSE_RESAMPLE, q=q, q_mode=q_mode,
-         q_strides=q_strides, q_stats=q_stats, draft_ids=draft_ids,
-         num_draft=num_draft, num_accepted=num_accepted, num_drafts=num_drafts)
+    drafts = DraftInputs(draft_ids, num_draft_tokens.to(torch.int32).contiguous(), num_accepted,
+                         q_mode, q, q_stats)
+    race(target_logits, stats, params, seeds, offsets, out, drafts)
     return out, num_accepted

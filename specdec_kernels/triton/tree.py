@@ -2,7 +2,7 @@
 
 Launches, both asynchronous (no host synchronisation, CUDA-graph capturable with tensor seeds):
 
-1. ``_row_stats_kernel`` (``sampling.py``, shared with the chain) over the ``B*N`` node rows:
+1. ``_row_stats_kernel`` (``stats.py``, shared with the chain) over the ``B*N`` node rows:
    one streaming pass per row (plus pivot passes for rows whose top-k/top-p is active), so
    ``p(x)`` of any token is one gathered logit and three floats. Rows split over programs
    are merged by ``_row_stats_finish_kernel`` when filtered, else by the walk as it reads
@@ -35,14 +35,16 @@ import triton
 import triton.language as tl
 
 from .. import _rng
-from .._params import scratch
 from . import _rng as trng
-from ._launch import next_pow2
-from .sampling import (MAX_REGISTERS, _last_dim_contiguous, _tile_best, block_size,
-                       exp2_scale, launch_options, load_logits, load_row_stats, processed_prob,
-                       quad_offsets, row_stats)
+from ._launch import (MAX_REGISTERS, block_size, last_dim_contiguous, launch_options, next_pow2,
+                      scratch)
+from ._tiles import exp2_scale, load_logits, processed_prob, quad_offsets, tile_best
+from .stats import load_row_stats, row_stats
 
-MODE_DETERMINISTIC, MODE_IID, MODE_WITHOUT_REPLACEMENT = 0, 1, 2
+# Draft modes of the walk (the MODE constexpr): how a node's children were drawn.
+MODE_DETERMINISTIC = tl.constexpr(0)      # no draft_probs: deterministic candidates
+MODE_IID = tl.constexpr(1)                # i.i.d. from draft_probs
+MODE_WITHOUT_REPLACEMENT = tl.constexpr(2)
 _MODES = {"iid": MODE_IID, "without_replacement": MODE_WITHOUT_REPLACEMENT}
 
 
@@ -94,7 +96,7 @@ def _final_weight(row_ptr, q_row_ptr, offs, mask, x_max, x_thr, norm, scale, ste
     current node's p with the rejected tokens removed (deterministic candidates) or the
     residual after ``steps`` rejections."""
     weight = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm, scale)
-    if MODE == 0:
+    if MODE == MODE_DETERMINISTIC:
         # O(steps) per element; a [BLOCK, N_P2] comparison would spill for large N.
         for j in range(0, steps):
             weight = tl.where(offs == _pick(tokens, idx, j), 0.0, weight)
@@ -102,7 +104,7 @@ def _final_weight(row_ptr, q_row_ptr, offs, mask, x_max, x_thr, norm, scale, ste
         if steps > 0:
             qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             weight, _ = _residual(weight, qv, offs, steps, masses, q_masses, tokens, applied,
-                                  idx, MODE == 2)
+                                  idx, MODE == MODE_WITHOUT_REPLACEMENT)
     return weight
 
 
@@ -165,15 +167,15 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
         row_ptr = logits_req + current.to(tl.int64) * stride_ln
         q_row_ptr = q_req + current.to(tl.int64) * stride_qn
         p_x = processed_prob(load_logits(row_ptr, token, tested), x_max, x_thr, norm, scale)
-        if MODE == 0:
+        if MODE == MODE_DETERMINISTIC:
             gone = tl.max(((tokens == token) & (idx < steps)).to(tl.int32), axis=0) != 0
             p_token = tl.where(gone, 0.0, p_x)
             draft = tl.full([], 1.0, tl.float32)
         else:
             q_x = tl.load(q_row_ptr + token, mask=tested, other=0.0).to(tl.float32)
             p_token, gone = _residual(p_x, q_x, token, steps, masses, q_masses, tokens, applied,
-                                      idx, MODE == 2)
-            if MODE == 2:
+                                      idx, MODE == MODE_WITHOUT_REPLACEMENT)
+            if MODE == MODE_WITHOUT_REPLACEMENT:
                 draft = _wor_draft(q_x, gone, q_mass)
             else:
                 draft = q_x
@@ -185,7 +187,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
         accept = tested & tl.where(greedy, greedy_ok, u * draft < target)
         rejected = tested & (~accept) & (~greedy)
 
-        if MODE == 0:
+        if MODE == MODE_DETERMINISTIC:
             p_mass = tl.where(rejected, p_mass - p_token, p_mass)
             last_removed = tl.where(rejected & (p_token > 0.0), token, last_removed)
         else:
@@ -203,8 +205,8 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                                         scale)
                     qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                     rv, gone_v = _residual(pv, qv, offs, steps, masses, q_masses, tokens,
-                                           applied, idx, MODE == 2)
-                    if MODE == 2:
+                                           applied, idx, MODE == MODE_WITHOUT_REPLACEMENT)
+                    if MODE == MODE_WITHOUT_REPLACEMENT:
                         qv = _wor_draft(qv, gone_v, q_mass)
                     nv = _clamp_positive(tl.math.div_rn(rv, p_mass) - qv)
                     nv = tl.where(mask, nv, 0.0)
@@ -216,7 +218,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
             q_masses = tl.where(rejected & (idx == steps), q_mass, q_masses)
             applied = tl.where(rejected & (idx == steps), has_mass, applied)
             p_mass = tl.where(rejected & (has_mass != 0), new_mass, p_mass)
-            if MODE == 2:
+            if MODE == MODE_WITHOUT_REPLACEMENT:
                 q_mass = tl.where(rejected, q_mass - tl.where(gone, 0.0, q_x), q_mass)
         tokens = tl.where(rejected & (idx == steps), token, tokens)
         steps = tl.where(rejected, steps + 1, steps)
@@ -275,9 +277,9 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
             take = score > lane_best
             lane_best = tl.where(take, score, lane_best)
             lane_idx = tl.where(take, offs, lane_idx)
-    best, best_idx = _tile_best(lane_best, lane_idx)
+    best, best_idx = tile_best(lane_best, lane_idx)
     sampled = tl.where((best >= 0.0) & (~has_nan), best_idx, -1)
-    if MODE == 0:
+    if MODE == MODE_DETERMINISTIC:
         # Removals left no mass (rounding only): the last removed token was all that remained.
         sampled = tl.where((sampled < 0) & (last_removed >= 0), last_removed, sampled)
     final = tl.where(greedy, tl.where(x_max > float("-inf"), argmax, -1), sampled)
@@ -297,7 +299,7 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
     num_accepted [B] int32)``; arguments parsed by the public layer (``num_nodes`` int32
     ``[B]``, seeds/offsets int64 ``[B]``). Two launches (three when split rows are filtered:
     the statistics' finish kernel), no host synchronisation."""
-    target_logits = _last_dim_contiguous(target_logits)
+    target_logits = last_dim_contiguous(target_logits)
     batch, nodes, vocab = target_logits.shape
     device = target_logits.device
     out = torch.empty((batch, nodes), dtype=torch.int32, device=device)
@@ -307,20 +309,19 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
         return out, path, num_accepted
     ids = tree_token_ids if tree_token_ids.stride(-1) == 1 else tree_token_ids.contiguous()
     par = parents if parents.stride(-1) == 1 else parents.contiguous()
-    stats = row_stats(target_logits, params, nodes, target_logits.stride(0),
-                      target_logits.stride(1), merge_in_consumer=True)
+    stats = row_stats(target_logits, params, merge_in_consumer=True)
     if draft_probs is None:
         mode, q, q_strides = MODE_DETERMINISTIC, scratch(device, torch.float32), (0, 0)
     else:
         mode = _MODES[draft_sampling]
-        q = _last_dim_contiguous(draft_probs)
+        q = last_dim_contiguous(draft_probs)
         q_strides = (q.stride(0), q.stride(1))
     _tree_walk_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), stats.stats,
         stats.argmax, q, q_strides[0], q_strides[1], ids, ids.stride(0), par, par.stride(0),
         num_nodes.to(torch.int32).contiguous(), params.temperature, seeds, offsets,
         out, path, num_accepted, vocab, nodes,
-        MODE=mode, N_P2=next_pow2(nodes), GROUP=_rng.RACE_GROUP,
+        MODE=int(mode), N_P2=next_pow2(nodes), GROUP=_rng.RACE_GROUP,
         BLOCK=min(block_size(vocab, device, cap_gpu=WALK_BLOCK), _rng.RACE_GROUP),
         **stats.constexprs(), **launch_options(device, WALK_WARPS))
     return out, path, num_accepted
@@ -349,7 +350,7 @@ COMPILE_SPECS = [
     {"name": f"tree_walk_{mode_name}_n{n_p2}" + (f"_stats{stats_chunks}" if stats_chunks > 1 else ""),
      "fn": _tree_walk_kernel,
      "signature": _WALK_SIGNATURE,
-     "constexprs": {"MODE": mode, "N_P2": n_p2, "GROUP": _rng.RACE_GROUP, "BLOCK": WALK_BLOCK,
+     "constexprs": {"MODE": int(mode), "N_P2": n_p2, "GROUP": _rng.RACE_GROUP, "BLOCK": WALK_BLOCK,
                     "STATS_CHUNKS": stats_chunks, "STATS_CHUNKS_P2": stats_chunks},
      "num_warps": WALK_WARPS,
      "maxnreg": MAX_REGISTERS}

@@ -1,0 +1,556 @@
+"""The exponential race that draws one token per request, and the chain's acceptance replay
+that the race kernel fuses.
+
+A token of the processed distribution ``p`` (or of the residual ``max(p - q, 0)`` after a
+rejected draft) is ``argmax_i w_i / E_i`` with ``E_i`` Exp(1) Philox noise, raced in two
+levels (``_rng``): groups of RACE_GROUP tokens by their masses, then the tokens of the
+winning group. ``w`` is computed from the row statistics (``stats.py``), never stored.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _rng
+from .._rng import PURPOSE_RESAMPLE, PURPOSE_SAMPLE
+from . import _rng as trng
+from ._launch import (MAX_REGISTERS, block_size, cdiv, interpreted, launch_options, next_pow2,
+                      num_sms, scratch)
+from ._tiles import block_best, exp2_scale, load_logits, processed_prob, quad_offsets, tile_best
+from .stats import RowStats, load_row_stats
+
+# Q modes of the race kernel: what the residual max(p - q, 0) subtracts. Q_NONE: no draft
+# (``sample``, or a chain with K = 0); the residual variant is then not compiled in.
+Q_NONE = tl.constexpr(0)
+Q_ONE_HOT = tl.constexpr(1)  # draft_probs=None: q one-hot at the draft token
+Q_PROBS = tl.constexpr(2)    # draft_probs [B, K, V]
+Q_LOGITS = tl.constexpr(3)   # draft_logits [B, K, V], with their own row statistics
+
+# Stages of the race kernel: both levels in one program per request (V in one chunk), or the
+# first level split over chunks of V (partial winners per chunk) and then, one program per
+# request, their reduction and the second level.
+STAGE_BOTH = tl.constexpr(0)
+STAGE_GROUPS = tl.constexpr(1)
+STAGE_TOKENS = tl.constexpr(2)
+
+
+# ----------------------------------------------------------------------------- the race
+
+@triton.jit
+def _race_prob(x, x_base, x_thr, inv_norm, scale):
+    """p(x) for the race: ``processed_prob`` with ``* (1 / norm)`` for the division (within an
+    ulp of it; the race only ranks scores). ``x_base`` is x_max, or 0 for a row with no
+    finite logit, so -inf logits give exactly 0 without a test."""
+    return tl.where(x >= x_thr, tl.exp2((x - x_base) * scale), 0.0) * inv_norm
+
+
+@triton.jit
+def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
+                  q_base, q_thr, q_inv_norm, draft_token,
+                  Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The race's weights at tokens ``offs`` (``mask`` None for a full tile): ``(p, w, nan)``
+    with ``w`` the residual ``max(p - q, 0)`` and ``nan`` where ``p - q`` is NaN when
+    RESIDUAL, else ``w = p`` (never NaN). Masked-off tokens weigh 0."""
+    x = load_logits(row_ptr, offs, mask)
+    p = _race_prob(x, x_base, x_thr, inv_norm, scale)
+    if RESIDUAL:
+        if Q_MODE == Q_ONE_HOT:
+            q = tl.where(offs == draft_token, 1.0, 0.0)
+        elif Q_MODE == Q_PROBS:
+            if mask is None:
+                q = tl.load(q_ptr + offs).to(tl.float32)
+            else:
+                q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:  # Q_LOGITS
+            q = _race_prob(load_logits(q_ptr, offs, mask), q_base, q_thr, q_inv_norm, scale)
+        diff = p - q
+        return p, tl.where(diff > 0, diff, 0.0), diff != diff
+    return p, p, p != p  # never NaN
+
+
+@triton.jit
+def _group_step(row_ptr, q_ptr, offs, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
+                q_inv_norm, draft_token, lane_p, lane_r, lane_nan, MASKED: tl.constexpr,
+                Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+    """One tile of ``_race_groups``: adds the tile's weights to the per-lane sums."""
+    p, w, nan = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None,
+                              x_base, x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm,
+                              draft_token, Q_MODE, RESIDUAL)
+    return lane_p + p, lane_r + w, tl.maximum(lane_nan, nan.to(tl.int32))
+
+
+@triton.jit
+def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
+                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position,
+                 PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """First level of the race (``_rng``: two-level race) over the token groups in
+    ``[start_v, end_v)`` (``start_v`` a multiple of GROUP): each group's mass of p and, when
+    RESIDUAL, of the residual, divided by the group's Exp(1) noise. Returns
+    ``(best_p, group_p, best_r, group_r, has_nan)``: the best scores (-1: no positive mass)
+    and their groups (the lowest among equal scores), and whether the residual had a NaN.
+
+    One streaming pass with no Philox per token: per-lane sums over the group's tiles (full
+    tiles unmasked), one reduction and one Philox per group."""
+    best_p = tl.full([], -1.0, tl.float32)
+    group_p = tl.full([], 2147483647, tl.int32)
+    best_r = tl.full([], -1.0, tl.float32)
+    group_r = tl.full([], 2147483647, tl.int32)
+    has_nan = tl.full([], 0, tl.int32)
+    for group_start in range(start_v, end_v, GROUP):
+        group_end = tl.minimum(group_start + GROUP, end_v)
+        lane_p = tl.zeros([BLOCK], tl.float32)
+        lane_r = tl.zeros([BLOCK], tl.float32)
+        lane_nan = tl.zeros([BLOCK], tl.int32)
+        full_end = group_start + (group_end - group_start) // BLOCK * BLOCK
+        for start in range(group_start, full_end, BLOCK):
+            lane_p, lane_r, lane_nan = _group_step(
+                row_ptr, q_ptr, start + tl.arange(0, BLOCK), group_end, x_base, x_thr,
+                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, lane_p, lane_r,
+                lane_nan, False, Q_MODE, RESIDUAL)
+        if full_end < group_end:
+            lane_p, lane_r, lane_nan = _group_step(
+                row_ptr, q_ptr, full_end + tl.arange(0, BLOCK), group_end, x_base, x_thr,
+                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, lane_p, lane_r,
+                lane_nan, True, Q_MODE, RESIDUAL)
+        group = group_start // GROUP
+        noise = trng.group_noise(seed, offset, position, PURPOSE, group)
+        mass_p = tl.sum(lane_p, axis=0)
+        score_p = tl.where(mass_p > 0, mass_p / noise, -1.0)
+        group_p = tl.where(score_p > best_p, group, group_p)  # strict >: the lowest group
+        best_p = tl.maximum(score_p, best_p)
+        if RESIDUAL:
+            mass_r = tl.sum(lane_r, axis=0)
+            score_r = tl.where(mass_r > 0, mass_r / noise, -1.0)
+            group_r = tl.where(score_r > best_r, group, group_r)
+            best_r = tl.maximum(score_r, best_r)
+            has_nan = tl.maximum(has_nan, tl.max(lane_nan, axis=0))
+    return best_p, group_p, best_r, group_r, has_nan
+
+
+@triton.jit
+def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
+                q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx,
+                MASKED: tl.constexpr, PURPOSE: tl.constexpr, Q_MODE: tl.constexpr,
+                RESIDUAL: tl.constexpr, QUADS: tl.constexpr):
+    """One ``[QUADS, 4]`` tile of ``_race_tokens``: per-lane winners, strict ``>``."""
+    offs = quad_offsets(start, QUADS)
+    _, w, _ = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None, x_base,
+                            x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token,
+                            Q_MODE, RESIDUAL)
+    noise = trng.token_noise(seed, offset, position, PURPOSE, start // 4, QUADS)
+    score = tl.where(w > 0, w / noise, -1.0)
+    take = score > lane_best
+    return tl.where(take, score, lane_best), tl.where(take, offs, lane_idx)
+
+
+@triton.jit
+def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
+                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position,
+                 PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Second level of the race: ``argmax w_i / E_i`` over the tokens of ``group`` (lowest id
+    among equal scores), ``w`` the residual when RESIDUAL, else p, and ``E_i`` the tokens'
+    Philox Exp(1) noise, four tokens per Philox: ``[BLOCK // 4, 4]`` tiles, each thread owning
+    whole rows of four. -1 when no weight is positive. Scores divide with the fast ``/``
+    (within 2 ulp): a winner can change only between scores that close, which the tests
+    bound."""
+    QUADS: tl.constexpr = BLOCK // 4
+    start_v = group * GROUP
+    end_v = tl.minimum(start_v + GROUP, V)
+    # Per-lane winners across iterations (strict >: a lane's earliest offset among equal
+    # scores), reduced once after the loop (max score, lowest id among the lanes holding it).
+    lane_best = tl.full([QUADS, 4], -1.0, tl.float32)
+    lane_idx = tl.full([QUADS, 4], 2147483647, tl.int32)
+    full_end = start_v + (end_v - start_v) // BLOCK * BLOCK
+    for start in range(start_v, full_end, BLOCK):
+        lane_best, lane_idx = _token_step(
+            row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
+            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, False,
+            PURPOSE, Q_MODE, RESIDUAL, QUADS)
+    if full_end < end_v:
+        lane_best, lane_idx = _token_step(
+            row_ptr, q_ptr, full_end, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
+            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, True,
+            PURPOSE, Q_MODE, RESIDUAL, QUADS)
+    best, idx = tile_best(lane_best, lane_idx)
+    return tl.where(best >= 0, idx, -1)
+
+
+# ------------------------------------------------------------------------- the acceptance replay
+
+@triton.jit
+def _num_draft_tokens(num_draft_tokens_ptr, req, K):
+    """Request ``req``'s live drafts, clamped to ``[0, K]`` (validate=False)."""
+    return tl.minimum(tl.maximum(tl.load(num_draft_tokens_ptr + req), 0), K)
+
+
+@triton.jit
+def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
+                   q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
+                   stride_ids, num_draft_tokens, greedy, scale, seed, offset, V, K,
+                   Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+                   STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
+                   Q_STATS_CHUNKS_P2: tl.constexpr):
+    """The chain's acceptance loop for request ``req`` (contract section 3): returns
+    ``(num_accepted, rejected)``, ``rejected`` when a live, in-range draft was rejected (its
+    residual is sampled next). Reads, per live draft, the id, 16 B of stats, one target
+    logit and one draft probability, or one draft logit and 12 B of its stats (12 B per
+    chunk where ``row_stats`` left partials). Out-of-range ids (validate=False) are rejected
+    without being read through, and leave no residual: they were never drawn from q. The
+    loads of all ``num_draft_tokens`` drafts are issued whatever the verdicts (at most ~30 B per
+    draft past the first rejection)."""
+    ids_row = draft_ids_ptr + req.to(tl.int64) * stride_ids
+    logits_row = logits_ptr + req.to(tl.int64) * stride_req
+    q_row = q_ptr + req.to(tl.int64) * stride_q_req
+    accepting = num_draft_tokens > 0
+    num_accepted = tl.full([], 0, tl.int32)
+    rejected = tl.full([], 0, tl.int1)
+    for j in range(0, K):
+        j64 = tl.zeros([], tl.int64) + j  # the interpreter's loop index is a Python int
+        # Loads do not wait for the previous draft's verdict (a few bytes more past the first
+        # rejection, but one memory latency for the loop instead of one per draft).
+        live = j < num_draft_tokens
+        draft = tl.load(ids_row + j, mask=live, other=0).to(tl.int64)
+        valid = live & (draft >= 0) & (draft < V)
+        token = tl.where(valid, draft, 0)
+        x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * (K + 1) + j,
+                                                    valid, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
+        p = processed_prob(load_logits(logits_row + j64 * stride_row, token, valid),
+                           x_max, x_thr, norm, scale)
+        if Q_MODE == Q_PROBS:
+            q = tl.load(q_row + j64 * stride_q_row + token, mask=valid, other=0.0).to(tl.float32)
+        elif Q_MODE == Q_LOGITS:
+            q_max, q_thr, q_norm, _ = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + j,
+                                                     valid, scale, Q_STATS_CHUNKS,
+                                                     Q_STATS_CHUNKS_P2)
+            q = processed_prob(load_logits(q_row + j64 * stride_q_row, token, valid),
+                               q_max, q_thr, q_norm, scale)
+        else:  # Q_ONE_HOT
+            q = tl.full([], 1.0, tl.float32)
+        u = trng.uniform(seed, offset, j64 + 1, trng.PURPOSE_ACCEPT, tl.zeros([], tl.int32))
+        # Greedy p is one-hot at the arg-max (zero everywhere on a row with no finite logit).
+        greedy_ok = (token == argmax) & (x_max > float("-inf"))
+        accepted = valid & tl.where(greedy, greedy_ok, u * q < p)
+        rejected = rejected | (accepting & valid & ~accepted)
+        accepting = accepting & accepted
+        num_accepted += accepting.to(tl.int32)
+    return num_accepted, rejected
+
+
+@triton.jit
+def _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids, num_accepted, token,
+                     K, K_P2: tl.constexpr):
+    """Row ``req`` of ``output_token_ids`` in one store: the accepted drafts, ``token`` at
+    ``num_accepted``, then -1."""
+    positions = tl.arange(0, K_P2)
+    drafts = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + positions,
+                     mask=positions < num_accepted, other=-1).to(tl.int32)
+    row = tl.where(positions < num_accepted, drafts, tl.where(positions == num_accepted, token, -1))
+    tl.store(out_ptr + req.to(tl.int64) * stride_out + positions, row, mask=positions < K + 1)
+
+
+@triton.jit
+def _sampled_row(req, num_accepted_ptr, num_draft_tokens_ptr, draft_ids_ptr, stride_ids, V, K,
+                 IS_CHAIN: tl.constexpr):
+    """(row within the request, whether a draft was rejected there) as the race kernel left
+    them: a chain samples row ``num_accepted``, from the residual after a rejection of a live,
+    in-range draft; ``sample`` samples row 0."""
+    if IS_CHAIN:
+        num_accepted = tl.load(num_accepted_ptr + req)
+        num_draft_tokens = _num_draft_tokens(num_draft_tokens_ptr, req, K)
+        # A rejection of a live, in-range draft leaves a residual; an out-of-range id
+        # (validate=False) was never drawn from q, so its request samples p.
+        live = num_accepted < num_draft_tokens
+        rejected_id = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + num_accepted,
+                              mask=live, other=-1).to(tl.int64)
+        rejected = live & (rejected_id >= 0) & (rejected_id < V)
+    else:
+        num_accepted = tl.full([], 0, tl.int32)
+        rejected = tl.full([], 0, tl.int1)
+    return num_accepted, rejected
+
+
+# ----------------------------------------------------------------------------- the race kernel
+
+@triton.jit
+def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, argmax_ptr,
+                 q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr,
+                 draft_ids_ptr, stride_ids, num_draft_tokens_ptr, num_accepted_ptr,
+                 temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
+                 part_score_ptr, part_index_ptr, V, K, chunk_size,
+                 PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
+                 STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                 STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
+                 Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
+                 GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                 K_P2: tl.constexpr):
+    """One correction/bonus (chain) or sample token per request, by the two-level race over
+    row ``num_accepted`` (chain) or 0 of the request.
+
+    STAGE_BOTH (grid B) and STAGE_GROUPS (grid B x NUM_CHUNKS, program c racing the groups of
+    tokens ``[c * chunk_size, (c + 1) * chunk_size)``) first replay the request's acceptance
+    (``_accept_drafts``: a few gathered values per draft, cheaper than a launch of its own),
+    then race the groups (``_race_groups``); STAGE_GROUPS stores each chunk's winners, and its
+    chunk 0 writes the accepted drafts, ``num_accepted`` and the -1 padding. STAGE_TOKENS
+    (grid B) reduces the chunks' winners. STAGE_BOTH and STAGE_TOKENS then race the tokens of
+    the winning group (``_race_tokens``) and write the token.
+
+    Bytes per request: reads one target row (V * elem_size), plus one draft row (V * elem_size
+    of draft_probs / draft_logits) only when the request rejected a draft and is not greedy,
+    plus the winning group's GROUP tokens of them again; ~64 B of stats/ids/parameters per
+    program and the acceptance's gathers; writes (K + 1) * 4 + 4 B (chain) or 4 B (sample),
+    and 20 B of partial winners per program of STAGE_GROUPS. Compute: ~10 operations per
+    token of the row and one Philox per group for the first level; one Philox-4x32-10 per
+    four tokens and a log per token for the winning group only. Greedy requests read none
+    of it: the arg-max comes from the statistics.
+    """
+    req = tl.program_id(0)
+    chunk = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + req)
+    greedy = temperature == 0.0
+    scale = exp2_scale(temperature)
+    seed = tl.load(seed_ptr + req)
+    offset = tl.load(offset_ptr + req)
+    if STAGE == STAGE_TOKENS:
+        num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_tokens_ptr,
+                                              draft_ids_ptr, stride_ids, V, K, IS_CHAIN)
+    elif IS_CHAIN:
+        num_accepted, rejected = _accept_drafts(
+            req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
+            stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr, stride_ids,
+            _num_draft_tokens(num_draft_tokens_ptr, req, K), greedy, scale, seed, offset, V, K,
+            Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+        if STAGE == STAGE_GROUPS:
+            if chunk == 0:  # the token itself follows from STAGE_TOKENS
+                _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
+                                 num_accepted, -1, K, K_P2)
+                tl.store(num_accepted_ptr + req, num_accepted)
+    else:
+        num_accepted = tl.full([], 0, tl.int32)
+        rejected = tl.full([], 0, tl.int1)
+    row = req * rows_per_req + num_accepted
+    row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
+               + num_accepted.to(tl.int64) * stride_row)
+    x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, row,
+                                                tl.full([], 1, tl.int1), scale,
+                                                STATS_CHUNKS, STATS_CHUNKS_P2)
+    x_base = tl.where(x_max > float("-inf"), x_max, 0.0)
+    inv_norm = tl.where(norm > 0.0, 1.0 / norm, 0.0)
+
+    # Whether the race is over the residual. With no draft (Q_NONE) the ``and`` below is a
+    # compile-time False, so only the race over p is compiled in.
+    use_residual = rejected & (~greedy)
+    # The draft distribution at the rejected position.
+    last = tl.minimum(num_accepted, tl.maximum(K - 1, 0))
+    draft_token = tl.full([], 0, tl.int32)
+    q_row_ptr = q_ptr
+    q_base = tl.full([], 0.0, tl.float32)
+    q_thr = tl.full([], 0.0, tl.float32)
+    q_inv_norm = tl.full([], 1.0, tl.float32)
+    if Q_MODE == Q_ONE_HOT:
+        d = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + last,
+                    mask=use_residual, other=0).to(tl.int64)
+        draft_token = tl.where((d >= 0) & (d < V), d, 0).to(tl.int32)
+    if (Q_MODE == Q_PROBS) or (Q_MODE == Q_LOGITS):
+        q_row_ptr = q_ptr + req.to(tl.int64) * stride_q_req + last.to(tl.int64) * stride_q_row
+    if Q_MODE == Q_LOGITS:
+        q_max, q_thr, q_norm, _ = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + last,
+                                                 use_residual, scale, Q_STATS_CHUNKS,
+                                                 Q_STATS_CHUNKS_P2)
+        q_base = tl.where(q_max > float("-inf"), q_max, 0.0)
+        q_inv_norm = tl.where(q_norm > 0.0, 1.0 / q_norm, 0.0)
+
+    if STAGE == STAGE_TOKENS:
+        chunks = tl.arange(0, CHUNKS_P2)
+        valid = chunks < NUM_CHUNKS
+        part = req * NUM_CHUNKS + chunks
+        # Chunks are in group order: max score, lowest group among equal scores.
+        best_p, group_p = block_best(
+            tl.load(part_score_ptr + part * 2 + 0, mask=valid, other=-2.0),
+            tl.load(part_index_ptr + part * 3 + 0, mask=valid, other=2147483647))
+        best_r, group_r = block_best(
+            tl.load(part_score_ptr + part * 2 + 1, mask=valid, other=-2.0),
+            tl.load(part_index_ptr + part * 3 + 1, mask=valid, other=2147483647))
+        has_nan = tl.max(tl.load(part_index_ptr + part * 3 + 2, mask=valid, other=0), axis=0)
+    else:
+        start_v = chunk * chunk_size
+        end_v = tl.minimum(start_v + chunk_size, V)
+        best_p = tl.full([], -1.0, tl.float32)
+        group_p = tl.full([], 2147483647, tl.int32)
+        best_r = tl.full([], -1.0, tl.float32)
+        group_r = tl.full([], 2147483647, tl.int32)
+        has_nan = tl.full([], 0, tl.int32)
+        if temperature != 0.0:  # greedy requests take the arg-max from the stats: no pass
+            if (Q_MODE != Q_NONE) and use_residual:
+                best_p, group_p, best_r, group_r, has_nan = _race_groups(
+                    row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
+                    q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                    PURPOSE, Q_MODE, True, GROUP, MASS_BLOCK)
+            else:
+                best_p, group_p, best_r, group_r, has_nan = _race_groups(
+                    row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
+                    q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                    PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK)
+        if STAGE == STAGE_GROUPS:
+            part = req * NUM_CHUNKS + chunk
+            tl.store(part_score_ptr + part * 2 + 0, best_p)
+            tl.store(part_score_ptr + part * 2 + 1, best_r)
+            tl.store(part_index_ptr + part * 3 + 0, group_p)
+            tl.store(part_index_ptr + part * 3 + 1, group_r)
+            tl.store(part_index_ptr + part * 3 + 2, has_nan)
+
+    if STAGE != STAGE_GROUPS:
+        # The token: greedy arg-max; else the residual's race when it has mass (a NaN in the
+        # residual gives -1, as the reference's amax does); else the race over p; -1 when
+        # the winning race had no positive weight. Always -1 or a raced index, so in [0, V).
+        token = tl.where(x_max > float("-inf"), argmax, -1)
+        if temperature != 0.0:
+            token = tl.full([], -1, tl.int32)
+            if (Q_MODE != Q_NONE) and (use_residual & (best_r >= 0)):
+                if has_nan == 0:
+                    token = _race_tokens(
+                        row_ptr, q_row_ptr, group_r, V, x_base, x_thr, inv_norm, scale,
+                        q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                        PURPOSE, Q_MODE, True, GROUP, BLOCK)
+            elif best_p >= 0:
+                token = _race_tokens(
+                    row_ptr, q_row_ptr, group_p, V, x_base, x_thr, inv_norm, scale,
+                    q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                    PURPOSE, Q_MODE, False, GROUP, BLOCK)
+        if IS_CHAIN:
+            if STAGE == STAGE_BOTH:
+                _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
+                                 num_accepted, token, K, K_P2)
+                tl.store(num_accepted_ptr + req, num_accepted)
+            else:
+                tl.store(out_ptr + req.to(tl.int64) * stride_out + num_accepted, token)
+        else:
+            tl.store(out_ptr + req.to(tl.int64) * stride_out, token)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+# Tests set this to force the split-V path of the race on small vocabularies.
+RACE_CHUNK_OVERRIDE: int | None = None
+
+
+def race_chunks(batch: int, vocab: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(chunk_size, num_chunks, GROUP, MASS_BLOCK, BLOCK) of the race: chunks of whole token
+    groups, enough of them to fill the GPU when B is small (a shape-only choice, so no
+    synchronisation); tiles of the first level (MASS_BLOCK: 8 logits per thread of 4 warps,
+    one 16-byte load of bf16) and of the second (BLOCK), neither larger than a group."""
+    group = _rng.RACE_GROUP
+    mass_block = min(block_size(vocab, device, cap_gpu=1024), group)
+    block = min(block_size(vocab, device, cap_gpu=512), group)
+    if RACE_CHUNK_OVERRIDE is not None:
+        chunk = RACE_CHUNK_OVERRIDE
+    elif interpreted(device):
+        chunk = vocab
+    else:
+        want = max(1, cdiv(4 * num_sms(device), batch))
+        chunk = cdiv(vocab, want)
+    chunk = cdiv(max(chunk, 1), group) * group
+    return chunk, cdiv(vocab, chunk), group, mass_block, block
+
+
+class DraftInputs(NamedTuple):
+    """What a chain's race reads of its drafts: the acceptance it replays and the residual it
+    samples after a rejection (``sample`` passes none)."""
+    token_ids: torch.Tensor         # [B, K] int32/int64, last dim contiguous (K = 0: any)
+    num_draft_tokens: torch.Tensor  # [B] int32 (clamped to [0, K] by the kernel)
+    num_accepted: torch.Tensor      # [B] int32, written
+    q_mode: int                     # Q_ONE_HOT, Q_PROBS or Q_LOGITS; Q_NONE when K = 0
+    q: torch.Tensor | None = None   # [B, K, V] draft_probs (Q_PROBS) or draft_logits (Q_LOGITS)
+    q_stats: RowStats | None = None  # row_stats of the draft logits (Q_LOGITS)
+
+
+def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
+         offsets: torch.Tensor, out: torch.Tensor, drafts: DraftInputs | None = None) -> None:
+    """Launch the race over ``logits`` ``[B, K + 1, V]`` (last dim contiguous) with their
+    ``row_stats``: one launch when V is one chunk, else the first level over chunks and the
+    second per request. Writes ``out[b, num_accepted[b]]`` of ``out`` ``[B, K + 1]`` (and, with
+    ``drafts``, the accepted drafts, the -1 padding and ``num_accepted``); without drafts
+    (``sample``: K = 0) one token per request into ``out[b, 0]``."""
+    batch, rows_per_req, vocab = logits.shape
+    device = logits.device
+    if batch == 0:
+        return
+    num_drafts = rows_per_req - 1
+    chunk, num_chunks, group, mass_block, block = race_chunks(batch, vocab, device)
+    dummy_f, dummy_i = scratch(device, torch.float32), scratch(device, torch.int32)
+    part_score = torch.empty((batch, num_chunks, 2), dtype=torch.float32, device=device) \
+        if num_chunks > 1 else dummy_f
+    part_index = torch.empty((batch, num_chunks, 3), dtype=torch.int32, device=device) \
+        if num_chunks > 1 else dummy_i
+    is_chain = drafts is not None
+    if not is_chain:
+        drafts = DraftInputs(dummy_i, dummy_i, dummy_i, Q_NONE)
+    q = drafts.q if drafts.q is not None else dummy_f
+    q_strides = (q.stride(0), q.stride(1)) if drafts.q is not None else (0, 0)
+    q_stats = drafts.q_stats or RowStats(dummy_f, dummy_i, 1)
+    args = (logits, logits.stride(0), logits.stride(1), rows_per_req, stats.stats, stats.argmax,
+            q, q_strides[0], q_strides[1], q_stats.stats, q_stats.argmax,
+            drafts.token_ids, drafts.token_ids.stride(0), drafts.num_draft_tokens,
+            drafts.num_accepted, params.temperature, seeds, offsets, out, out.stride(0),
+            part_score, part_index, vocab, num_drafts, chunk)
+    constexprs = dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
+                      IS_CHAIN=is_chain, Q_MODE=int(drafts.q_mode), NUM_CHUNKS=num_chunks,
+                      CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
+                      BLOCK=block, K_P2=next_pow2(num_drafts + 1), **stats.constexprs(),
+                      **q_stats.constexprs("Q_"), **launch_options(device, 4))
+    if num_chunks == 1:
+        _race_kernel[(batch, 1)](*args, STAGE=int(STAGE_BOTH), **constexprs)
+    else:
+        _race_kernel[(batch, num_chunks)](*args, STAGE=int(STAGE_GROUPS), **constexprs)
+        _race_kernel[(batch, 1)](*args, STAGE=int(STAGE_TOKENS), **constexprs)
+
+
+# ----------------------------------------------------------------------------- compile registry
+
+def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True,
+               stage: int | None = None, stats_chunks: int = 1, q_stats_chunks: int = 1) -> dict:
+    q_mode = int(q_mode)
+    mode = ["p", "one_hot", "draft_probs", "draft_logits"][q_mode]
+    stage = int(stage if stage is not None else STAGE_BOTH if chunks == 1 else STAGE_GROUPS)
+    stage_name = ["", ",groups", ",tokens"][stage]
+    stats_name = (f",stats_chunks={stats_chunks}" if stats_chunks > 1 else "") + \
+        (f",q_stats_chunks={q_stats_chunks}" if q_stats_chunks > 1 else "")
+    return dict(
+        name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}"
+             f"{stats_name}]",
+        kernel=_race_kernel,
+        signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
+                       rows_per_req="i32", stats_ptr="*fp32", argmax_ptr="*i32",
+                       q_ptr=f"*{q_dtype}", stride_q_req="i32", stride_q_row="i32",
+                       q_stats_ptr="*fp32", q_argmax_ptr="*i32", draft_ids_ptr="*i64",
+                       stride_ids="i32", num_draft_tokens_ptr="*i32", num_accepted_ptr="*i32",
+                       temperature_ptr="*fp32",
+                       seed_ptr="*i64", offset_ptr="*i64", out_ptr="*i32", stride_out="i32",
+                       part_score_ptr="*fp32", part_index_ptr="*i32", V="i32", K="i32",
+                       chunk_size="i32"),
+        constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
+                        IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
+                        CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,
+                        STATS_CHUNKS_P2=next_pow2(stats_chunks), Q_STATS_CHUNKS=q_stats_chunks,
+                        Q_STATS_CHUNKS_P2=next_pow2(q_stats_chunks), GROUP=_rng.RACE_GROUP,
+                        MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1),
+        num_warps=4, maxnreg=MAX_REGISTERS)
+
+
+# (kernel, argument types, constexprs, num_warps) of every kernel here, in the configurations
+# the launchers use on a GPU: compiled for sm_80/sm_90 by bench/resources.py and the tests.
+COMPILE_SPECS = [
+    _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False, stats_chunks=16),
+    _race_spec("bf16", "fp32", Q_ONE_HOT, 8, stats_chunks=4),
+    _race_spec("bf16", "fp32", Q_PROBS, 1),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, stats_chunks=4, q_stats_chunks=4),
+    _race_spec("fp32", "fp32", Q_LOGITS, 1),
+    _race_spec("bf16", "fp32", Q_PROBS, 8, stats_chunks=4),
+    _race_spec("bf16", "fp32", Q_PROBS, 8, stage=STAGE_TOKENS, stats_chunks=4),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
+               q_stats_chunks=4),
+]
