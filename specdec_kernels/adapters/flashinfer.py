@@ -140,6 +140,9 @@ def chain_speculative_sampling(
 def _request_seeds(seed, offset, generator, batch: int, device: torch.device):
     """``[B]`` seeds and offsets: a tensor seed per request, an int seed FlashInfer's way
     (``seed + b``), None from ``generator`` or torch's default generator."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, "
+                        f"got {type(generator).__name__}")
     if seed is None:
         if generator is not None:
             seed = seeds_from_generator(generator, batch, device)

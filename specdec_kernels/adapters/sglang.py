@@ -22,12 +22,15 @@ emitted after path node ``i`` -- the next accepted draft, and after the last one
 correction or bonus token (other entries untouched).
 
 What differs from sgl-kernel (each also in the docstring):
-* Exact: SGLang's ``_target_only`` kernel ignores ``draft_probs`` (it is scratch it writes
-  into) and accepts a child with probability ``p(x)``, right only for deterministic
-  candidates. Pass ``draft_probs=None`` for those (EAGLE's top-k trees: then the laws agree),
-  or the distribution each node's children were sampled from (``draft_sampling="iid"`` or
-  ``"without_replacement"``), which we use exactly. Never pass SGLang's zero-filled scratch:
-  ``q = 0`` claims the drafts were impossible.
+* Exact, with the drafter's probabilities: SGLang's ``_target_only`` kernel ignores
+  ``draft_probs`` (scratch it writes into) and accepts child ``x`` by adding ``p(x)`` to a
+  running sum compared with one coin: the target's law only when a node's children are
+  distinct tokens (sampled children can repeat a token, which it then over-accepts), and
+  never the higher acceptance of speculative sampling with ``q``. Pass ``draft_probs=None``
+  for deterministic candidates (EAGLE's top-k trees: the same law as SGLang's, repeats
+  handled), or the distribution each node's children were sampled from
+  (``draft_sampling="iid"`` or ``"without_replacement"``), used exactly. Never pass SGLang's
+  zero-filled scratch: ``q = 0`` claims the drafts were impossible.
 * Randomness: Philox keyed by per-request ``seed``/``offset`` instead of the caller's
   ``uniform_samples`` and ``uniform_samples_for_final_sampling`` (dropped from the call).
 * ``threshold_single``/``threshold_acc`` below 1 are SGLang's relaxed (inexact) acceptance:
