@@ -314,8 +314,6 @@ def tree_speculative_sampling_target_only(
         _params.check_tensor(target_probs, "target_probs", ndim=3, device=device)
         target_logits = logits_from_probs(target_probs, "target_probs")
         filters["temperature"] = 1.0
-    if filters["min_p"] is None:  # only ops that know min_p (contract section 8) get it
-        del filters["min_p"]
 
     tree = tree_from_sglang(retrive_next_token, retrive_next_sibling, candidates,
                             validate=validate)

@@ -47,6 +47,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .. import _params
+from ..chain import verify_chain_packed
 from ._common import seeds_from_generator
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "SpecDecodeMetadata", "SamplingMetadata", "SamplerOutput",
@@ -153,7 +154,6 @@ def rejection_sample(metadata, draft_probs: Optional[torch.Tensor], logits: torc
             [ 2, -1, -1],
             [ 0,  1, -1]], dtype=torch.int32)
     """
-    from .. import verify_chain_packed
     draft_token_ids = metadata.draft_token_ids
     cu_inclusive = metadata.cu_num_draft_tokens
     max_spec_len = getattr(metadata, "max_spec_len", None)
