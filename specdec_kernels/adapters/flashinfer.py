@@ -17,7 +17,9 @@ What differs (each also in the docstring):
   the same inputs and seeds give the same tokens on every run, backend and device).
 * Probabilities in: ``log(target_probs)`` is fed to the kernels as logits with temperature 1
   (a zero probability becomes ``-inf``, never sampled): one elementwise pass that writes a
-  float32 ``[B, K+1, V]`` copy. ``draft_probs`` are read as they are.
+  float32 ``[B, K+1, V]`` copy, and one reduction over ``target_probs`` for the accepted
+  count. ``draft_probs`` are read as they are. With logits at hand, ``verify_chain`` on them
+  costs neither.
 * FlashInfer resamples from ``max(target - draft, 0)`` of the raw inputs; we from
   ``norm(max(p - q, 0))`` with ``p = target_probs / sum(target_probs)`` -- the same law
   when rows sum to 1, and exact when they do not.
