@@ -23,6 +23,7 @@ from test_chain_exactness import ALPHA, _chi_square
 from test_dropin import FEATURE_BACKENDS, bitmask_of, oracle_probs
 
 TREE_BACKENDS = ["reference", _triton_param("specdec_kernels.triton.tree")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 LAW_BATCH = 40_000  # draws per law test: power >= 0.998 at TV 0.02 for V <= 8
 
 
@@ -262,7 +263,8 @@ def test_sglang_tree_conversion_round_trips():
     assert parents.tolist() == [[-1, 0, 1, 0, 3, 4], [-1, 0, 1, 2, 0, 4]]
     # Padding nodes (num_nodes) are in no list.
     eagle = sglang.tree_to_sglang(torch.tensor([[-1, 0, 0, 1], [-1, 0, 0, 0]]),
-                                  torch.zeros(2, 4, dtype=torch.int64), num_nodes=torch.tensor([4, 2]))
+                                  torch.zeros(2, 4, dtype=torch.int64),
+                                  num_nodes=torch.tensor([4, 2]))
     assert eagle.retrive_next_token.tolist() == [[1, 3, -1, -1], [1, -1, -1, -1]]
     assert eagle.retrive_next_sibling.tolist() == [[-1, 2, -1, -1], [-1, -1, -1, -1]]
 
@@ -310,7 +312,8 @@ def test_sglang_bad_input_writes_nothing():
         kwargs.update(change)
         with pytest.raises(error, match=name):
             sglang.tree_speculative_sampling_target_only(**kwargs)
-        assert (predicts == -1).all() and (accept_index == -1).all() and (accept_token_num == 0).all()
+        assert (predicts == -1).all() and (accept_index == -1).all()
+        assert (accept_token_num == 0).all()
 
 
 def _sglang_law_round(mode: str, batch: int, gen: torch.Generator):
@@ -638,3 +641,38 @@ def test_logits_from_probs_cost_and_zeros():
     logits = _common.logits_from_probs(probs, "target_probs")
     assert logits.dtype == torch.float32 and logits[0, 1] == float("-inf")
     assert torch.allclose(torch.softmax(logits, -1), probs.float())
+
+
+@needs_cuda
+def test_adapters_on_cuda_tensors():
+    """Each adapter on CUDA tensors (the kernels under backend="auto"): the engines' forced
+    examples, and vLLM's packed rows equal to verify_chain on the padded copy."""
+    cuda = lambda tensors: {k: v.cuda() for k, v in tensors.items()}
+    tokens, accepted, emitted = flashinfer.chain_speculative_sampling(
+        **cuda(FLASHINFER_EXAMPLE), seed=torch.tensor([3], device="cuda"))
+    assert tokens.is_cuda and tokens.tolist() == [[2, 0, -1]]
+    assert accepted.tolist() == emitted.tolist() == [1]
+
+    tree, target_logits = _sglang_example()
+    outputs = [t.cuda() for t in _sglang_outputs(2, 6, 4)]
+    predicts, accept_index, accept_token_num = outputs
+    sglang.tree_speculative_sampling_target_only(
+        *outputs, **cuda(tree), target_logits=target_logits.cuda(), temperature=0.01, seed=1)
+    assert predicts.tolist() == [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18]
+    assert accept_index.tolist() == [[0, 3, 4, 5], [6, 10, 11, -1]]
+    assert accept_token_num.tolist() == [3, 2]
+
+    metadata, logits, draft_probs = _vllm_problem(VLLM_NUM_DRAFTS, seed=9)
+    target, ids, probs = (t.cuda() for t in _padded(metadata, logits, draft_probs))
+    on_cuda = vllm.SpecDecodeMetadata(
+        metadata.draft_token_ids.cuda(), metadata.num_draft_tokens,
+        metadata.cu_num_draft_tokens.cuda(), metadata.target_logits_indices.cuda(),
+        metadata.bonus_logits_indices.cuda())
+    temperature = torch.tensor([0.0, 0.8, 1.0, 0.0, 1.3], device="cuda")
+    seeds = torch.arange(5, device="cuda") * 17
+    out = vllm.rejection_sample(on_cuda, draft_probs.cuda(), logits.cuda(), vllm.SamplingMetadata(
+        temperature=temperature, all_greedy=False, all_random=False), seed=seeds)
+    want = sk.verify_chain(target, ids, draft_probs=probs, temperature=temperature,
+                           num_draft_tokens=torch.tensor(VLLM_NUM_DRAFTS, device="cuda"),
+                           seed=seeds)
+    assert torch.equal(out, want.output_token_ids)
