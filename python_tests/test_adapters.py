@@ -316,6 +316,25 @@ def test_sglang_bad_input_writes_nothing():
         assert (accept_token_num == 0).all()
 
 
+def test_sglang_unvalidated_garbage_stays_in_range():
+    """validate=False with garbage lists, indices and tokens: no error, and every write is
+    in range (tokens in [0, V) or -1, flat indices into predicts, counts below num_spec_step)."""
+    gen = torch.Generator().manual_seed(9)
+    batch, nodes, vocab, steps = 8, 7, 13, 3
+    garbage = lambda low, high: torch.randint(low, high, (batch, nodes), generator=gen)
+    for _ in range(5):
+        predicts, accept_index, accept_token_num = outputs = _sglang_outputs(batch, nodes, steps)
+        sglang.tree_speculative_sampling_target_only(
+            *outputs, garbage(-3, vocab + 3), garbage(-5, batch * nodes + 5),
+            garbage(-3, nodes + 3), garbage(-3, nodes + 3),
+            target_logits=torch.randn(batch, nodes, vocab, generator=gen), seed=1,
+            validate=False)
+        assert bool(((predicts == -1) | ((predicts >= 0) & (predicts < vocab))).all())
+        assert bool(((accept_index == -1) | ((accept_index >= 0)
+                                             & (accept_index < batch * nodes))).all())
+        assert bool(((accept_token_num >= 0) & (accept_token_num < steps)).all())
+
+
 def _sglang_law_round(mode: str, batch: int, gen: torch.Generator):
     """Root with three children (tokens repeat: i.i.d. drafts or a repeated candidate), one
     grandchild; returns the first emitted token of each request and the root's law."""

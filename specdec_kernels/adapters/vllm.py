@@ -41,6 +41,7 @@ What differs from vLLM's ``RejectionSampler`` (each also in the docstrings):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
@@ -188,17 +189,23 @@ class RejectionSampler(torch.nn.Module):
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata, **kwargs):
         tokens = rejection_sample(metadata, draft_probs, logits, sampling_metadata, **kwargs)
-        try:
-            from vllm.v1.outputs import SamplerOutput as _VllmSamplerOutput
-        except ImportError:
-            return SamplerOutput(tokens)
-        return _VllmSamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
+        return _sampler_output_class()(sampled_token_ids=tokens, logprobs_tensors=None)
 
     @staticmethod
     def parse_output(output_token_ids: torch.Tensor, vocab_size: int) -> list:
         """vLLM's ``parse_output``: each request's emitted tokens as a list (host copy)."""
         rows = output_token_ids.cpu()
         return [row[(row != PLACEHOLDER_TOKEN_ID) & (row < vocab_size)].tolist() for row in rows]
+
+
+@functools.lru_cache(maxsize=None)
+def _sampler_output_class():
+    """vLLM's ``SamplerOutput`` when vLLM is installed (looked up once), else ours."""
+    try:
+        from vllm.v1.outputs import SamplerOutput as vllm_sampler_output
+    except ImportError:
+        return SamplerOutput
+    return vllm_sampler_output
 
 
 def _check_layout(metadata, cu_inclusive: torch.Tensor, batch: int, device) -> None:
