@@ -32,7 +32,8 @@ What differs from vLLM's ``RejectionSampler`` (each also in the docstrings):
   ``SamplingParams.seed``) and ``offset=`` (any per-step counter that never repeats for a
   request, e.g. its number of output tokens so far).
 * Logits processors that change values (penalties, ``logit_bias``, bad words,
-  ``min_tokens``) are not applied here: vLLM applies them to ``logits`` first, in place.
+  ``min_tokens``) are not applied here: apply them to ``logits`` first, in place (vLLM's
+  sampler applies them to its gathered copies of the draft and bonus rows).
   ``allowed_token_ids`` and grammars go in as ``token_bitmask`` (xgrammar's int32 layout,
   one row per ``logits`` row), read in the same pass as the logits.
 * Log-probabilities: not returned here (``logprobs_tensors`` is None); call
