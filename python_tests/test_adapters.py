@@ -214,11 +214,16 @@ def test_sglang_documented_example(backend, inputs):
     tree, target_logits = _sglang_example()
     for seed in (0, torch.tensor([5, 6])):
         predicts, accept_index, accept_token_num = outputs = _sglang_outputs(2, 6, 4)
-        if inputs == "probs":
-            kw = dict(target_probs=torch.softmax(target_logits / 0.01, -1))
+        if inputs == "probs":  # SGLang's call: its coins, its zero-filled draft_probs
+            target_probs = torch.softmax(target_logits / 0.01, -1)
+            kw = dict(uniform_samples=torch.rand(2, 6), uniform_samples_for_final_sampling=
+                      torch.rand(2), target_probs=target_probs,
+                      draft_probs=torch.zeros_like(target_probs), threshold_single=1.0,
+                      threshold_acc=1.0, deterministic=True)
         else:
-            kw = dict(target_logits=target_logits, temperature=torch.tensor([0.01, 0.0]))
-        result = sglang.tree_speculative_sampling_target_only(*outputs, **tree, **kw, seed=seed,
+            kw = dict(target_logits=target_logits, temperature=torch.tensor([0.01, 0.0]),
+                      seed=seed)
+        result = sglang.tree_speculative_sampling_target_only(*outputs, **tree, **kw,
                                                               backend=backend)
         assert result is None
         assert predicts.tolist() == [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18]
@@ -316,6 +321,52 @@ def test_sglang_bad_input_writes_nothing():
         assert (accept_token_num == 0).all()
 
 
+def test_sglang_zero_draft_rows_are_deterministic_candidates_and_coins_key_the_stream():
+    """A request whose draft_probs are all zero (SGLang's scratch) is verified as
+    deterministic candidates, the others with their q -- in a mixed batch too, with or
+    without validation; SGLang's coins key each request's stream (row independent)."""
+    gen = torch.Generator().manual_seed(10)
+    batch, nodes, vocab = 12, 6, 9
+    parents = torch.tensor([-1, 0, 0, 1, 1, 3]).expand(batch, nodes)
+    candidates = torch.randint(0, vocab, (batch, nodes), generator=gen)
+    logits = torch.randn(batch, nodes, vocab, generator=gen)
+    draft = _random_probs((batch, nodes, vocab), gen, zeros=False)
+    scratch = torch.arange(batch) % 3 == 0
+    draft[scratch] = 0.0
+    seeds = torch.randint(0, 2**62, (batch,), generator=gen)
+    eagle = sglang.tree_to_sglang(parents, candidates)
+    want = [sk.verify_tree(logits, candidates, parents, seed=seeds),
+            sk.verify_tree(logits, candidates, parents, draft_probs=draft, seed=seeds)]
+    for validate in (True, False):
+        predicts, accept_index, accept_token_num = outputs = _sglang_outputs(batch, nodes, 4)
+        sglang.tree_speculative_sampling_target_only(
+            *outputs, *eagle[3:], *eagle[:3], target_logits=logits, draft_probs=draft,
+            seed=seeds, validate=validate)
+        for b in range(batch):
+            expected = want[0 if scratch[b] else 1]
+            assert int(accept_token_num[b]) == int(expected.num_accepted[b])
+            m = int(accept_token_num[b])
+            assert predicts[accept_index[b, :m + 1].long()].tolist() == \
+                expected.output_token_ids[b, :m + 1].tolist()
+
+    coins = torch.rand(batch, nodes, generator=gen), torch.rand(batch, generator=gen)
+
+    def emitted(order, coins):
+        tree = sglang.tree_to_sglang(parents, candidates[order])
+        predicts, accept_index, accept_token_num = outputs = _sglang_outputs(batch, nodes, 4)
+        sglang.tree_speculative_sampling_target_only(
+            *outputs, *tree[3:], *tree[:3], coins[0][order], coins[1][order],
+            target_logits=logits[order], draft_probs=draft[order])
+        return [predicts[accept_index[b, :int(accept_token_num[b]) + 1].long()].tolist()
+                for b in range(batch)]
+
+    perm = torch.randperm(batch, generator=gen)
+    base = emitted(torch.arange(batch), coins)
+    assert emitted(perm, coins) == [base[b] for b in perm.tolist()]
+    other = emitted(torch.arange(batch), (coins[0].flip(0), coins[1].flip(0)))
+    assert other != base
+
+
 def test_sglang_unvalidated_garbage_stays_in_range():
     """validate=False with garbage lists, indices and tokens: no error, and every write is
     in range (tokens in [0, V) or -1, flat indices into predicts, counts below num_spec_step)."""
@@ -342,28 +393,32 @@ def _sglang_law_round(mode: str, batch: int, gen: torch.Generator):
     root_p = _random_probs(vocab, gen)
     rows = torch.cat([root_p[None], _random_probs((nodes - 1, vocab), gen)])
     parents = torch.tensor([-1, 0, 0, 0, 1])
-    kw = {}
+    kw = dict(seed=torch.arange(batch) * 7919, offset=2)
     if mode == "iid":  # children drawn i.i.d. from q: repeats happen
         q = _random_probs(vocab, gen, zeros=False)
         children = torch.multinomial(q, 3 * batch, replacement=True, generator=gen).view(batch, 3)
         draft_probs = torch.zeros(batch, nodes, vocab)
         draft_probs[:, 0] = q
         draft_probs[:, 1] = 1.0 / vocab
-        kw = dict(draft_probs=draft_probs, draft_sampling="iid")
+        kw.update(draft_probs=draft_probs)
     else:  # deterministic candidates, one repeated
         children = torch.tensor([2, 2, 5]).expand(batch, 3)
+    if mode == "sglang_call":  # SGLang's own arguments: its coins and its zero scratch
+        kw = dict(uniform_samples=torch.rand(batch, nodes, generator=gen),
+                  uniform_samples_for_final_sampling=torch.rand(batch, generator=gen),
+                  draft_probs=torch.zeros(batch, nodes, vocab))
     candidates = torch.cat([torch.zeros(batch, 1, dtype=torch.int64), children,
                             torch.full((batch, 1), 3)], 1)
     eagle = sglang.tree_to_sglang(parents.expand(batch, nodes), candidates)
     predicts, accept_index, accept_token_num = outputs = _sglang_outputs(batch, nodes, 3)
     sglang.tree_speculative_sampling_target_only(
         *outputs, eagle.candidates, eagle.retrive_index, eagle.retrive_next_token,
-        eagle.retrive_next_sibling, rows.expand(batch, -1, -1), **kw,
-        seed=torch.arange(batch) * 7919, offset=2, backend="reference")
+        eagle.retrive_next_sibling, target_probs=rows.expand(batch, -1, -1), **kw,
+        backend="reference")
     return predicts.view(batch, nodes)[:, 0], root_p
 
 
-@pytest.mark.parametrize("mode", ["deterministic", "iid"])
+@pytest.mark.parametrize("mode", ["deterministic", "iid", "sglang_call"])
 def test_sglang_first_token_law(mode):
     tokens, p = _sglang_law_round(mode, LAW_BATCH, torch.Generator().manual_seed(4))
     assert _law_pvalue(tokens, p) > ALPHA
@@ -388,7 +443,8 @@ def test_sglang_permuted_batch_permutes_emitted_tokens():
         eagle = sglang.tree_to_sglang(parents, candidates[order])
         predicts, accept_index, accept_token_num = outputs = _sglang_outputs(batch, nodes, 4)
         sglang.tree_speculative_sampling_target_only(
-            *outputs, *eagle[3:], *eagle[:3], probs[order], draft[order], seed=seeds[order])
+            *outputs, *eagle[3:], *eagle[:3], target_probs=probs[order],
+            draft_probs=draft[order], seed=seeds[order])
         return [predicts[accept_index[b, :int(accept_token_num[b]) + 1].long()].tolist()
                 for b in range(batch)]
 

@@ -22,17 +22,20 @@ emitted after path node ``i`` -- the next accepted draft, and after the last one
 correction or bonus token (other entries untouched).
 
 What differs from sgl-kernel (each also in the docstring):
+* SGLang's call works as it is (one import changed): the same arguments, its coins and its
+  zero-filled ``draft_probs`` scratch included.
 * Exact, with the drafter's probabilities: SGLang's ``_target_only`` kernel ignores
   ``draft_probs`` (scratch it writes into) and accepts child ``x`` by adding ``p(x)`` to a
   running sum compared with one coin: the target's law only when a node's children are
   distinct tokens (sampled children can repeat a token, which it then over-accepts), and
-  never the higher acceptance of speculative sampling with ``q``. Pass ``draft_probs=None``
-  for deterministic candidates (EAGLE's top-k trees: the same law as SGLang's, repeats
-  handled), or the distribution each node's children were sampled from
-  (``draft_sampling="iid"`` or ``"without_replacement"``), used exactly. Never pass SGLang's
-  zero-filled scratch: ``q = 0`` claims the drafts were impossible.
-* Randomness: Philox keyed by per-request ``seed``/``offset`` instead of the caller's
-  ``uniform_samples`` and ``uniform_samples_for_final_sampling`` (dropped from the call).
+  never the higher acceptance of speculative sampling with ``q``. We verify requests whose
+  ``draft_probs`` are all zero (that scratch), or ``draft_probs=None``, as deterministic
+  candidates (EAGLE's top-k trees: the same law as SGLang's, repeats handled), and the
+  others with ``q``, the distribution each node's children were sampled from
+  (``draft_sampling="iid"`` by default, or ``"without_replacement"``), exactly.
+* Randomness: Philox keyed per request. ``seed``/``offset`` (keyword) key it directly;
+  otherwise SGLang's ``uniform_samples`` and ``uniform_samples_for_final_sampling`` do (their
+  bits become each request's seed and offset); they are not the acceptance uniforms.
 * ``threshold_single``/``threshold_acc`` below 1 are SGLang's relaxed (inexact) acceptance:
   a ``ValueError`` here; only the exact 1.0 is accepted.
 * Probabilities in: ``log(target_probs)`` is used as logits with temperature 1 (a zero is
@@ -47,6 +50,7 @@ What differs from sgl-kernel (each also in the docstring):
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -222,14 +226,16 @@ def tree_to_sglang(parents: torch.Tensor, tree_token_ids: torch.Tensor, *,
 def tree_speculative_sampling_target_only(
         predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor,
         candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
-        retrive_next_sibling: torch.Tensor, target_probs: Optional[torch.Tensor] = None,
-        draft_probs: Optional[torch.Tensor] = None, *, draft_sampling: str = "iid",
-        target_logits: Optional[torch.Tensor] = None, temperature=None, top_k=None, top_p=None,
-        min_p=None, seed=None, offset=None, threshold_single: float = 1.0,
-        threshold_acc: float = 1.0, deterministic: bool = True, backend: str = "auto",
-        validate: bool = True) -> None:
+        retrive_next_sibling: torch.Tensor, uniform_samples: Optional[torch.Tensor] = None,
+        uniform_samples_for_final_sampling: Optional[torch.Tensor] = None,
+        target_probs: Optional[torch.Tensor] = None, draft_probs: Optional[torch.Tensor] = None,
+        threshold_single: float = 1.0, threshold_acc: float = 1.0, deterministic: bool = True,
+        *, draft_sampling: Optional[str] = None, target_logits: Optional[torch.Tensor] = None,
+        temperature=None, top_k=None, top_p=None, min_p=None, seed=None, offset=None,
+        backend: str = "auto", validate: bool = True) -> None:
     r"""SGLang's tree verification step, exact; writes ``predicts``, ``accept_index`` and
-    ``accept_token_num`` in place as sgl-kernel does.
+    ``accept_token_num`` in place as sgl-kernel does. SGLang's call works unchanged (same
+    positional and keyword arguments); the keyword-only ones are ours.
 
     Args:
         predicts: Shape ``(bs * N,)`` (at least every ``retrive_index``); int32. Written at
@@ -240,24 +246,36 @@ def tree_speculative_sampling_target_only(
         accept_token_num: Shape ``(bs,)``; int32. Set to the number of accepted drafts.
         candidates, retrive_index, retrive_next_token, retrive_next_sibling: SGLang's tree
             (see the module docstring). Shape ``(bs, N)``; int32 or int64.
+        uniform_samples, uniform_samples_for_final_sampling: SGLang's coins, ``(bs, N)`` and
+            ``(bs,)`` float32 (``torch.rand``), or None. Our acceptance uniforms and sampling
+            noise are Philox words, so when ``seed`` is None the coins key the stream:
+            request ``b``'s seed is the bits of ``uniform_samples[b, 0]`` and
+            ``uniform_samples_for_final_sampling[b]`` (48 random bits) and its offset those
+            of ``uniform_samples[b, 1]`` -- repeatable under ``torch.manual_seed``, row
+            independent. An explicit ``seed`` takes precedence over the coins.
         target_probs: the target's processed distribution after each node (SGLang's
             softmax/renorm output). Shape ``(bs, N, V)``; float dtype. Taken as logits
             ``log(target_probs)``, temperature 1 (one pass writing a float32 copy).
-        draft_probs: None for deterministic candidates (EAGLE's top-k trees), or row ``i`` =
-            the distribution node ``i``'s children were sampled from. Shape ``(bs, N, V)``.
-            Not SGLang's zero-filled scratch (``q = 0`` is not a distribution).
-        draft_sampling: with ``draft_probs``: ``"iid"`` or ``"without_replacement"``.
+        draft_probs: row ``i`` = the distribution node ``i``'s children were sampled from,
+            ``(bs, N, V)``, or None for deterministic candidates (EAGLE's top-k trees). A
+            request whose ``draft_probs`` are all zero (SGLang's scratch buffer, which its
+            kernel ignores) is verified as deterministic candidates, exactly.
+        threshold_single, threshold_acc: only 1.0 (exact); lower values are a ValueError.
+        deterministic: accepted; ours is always deterministic.
+        draft_sampling: how children were drawn from ``draft_probs``: ``"iid"`` or
+            ``"without_replacement"``, used as given. None (SGLang's call): ``"iid"``,
+            except for the all-zero requests above, found with one read of ``draft_probs``
+            (and, with ``validate=True``, one synchronisation choosing the rule; with
+            ``validate=False``, or when the batch mixes both, both rules run and each
+            request takes its own).
         target_logits: instead of ``target_probs``: raw logits ``(bs, N, V)``, processed
             with ``temperature``, ``top_k``, ``top_p``, ``min_p`` (per request, as in
             :func:`specdec_kernels.verify_tree`) -- no copy.
-        seed, offset: per request (``(bs,)`` int64) or ints, replacing SGLang's
-            ``uniform_samples`` and ``uniform_samples_for_final_sampling``.
-        threshold_single, threshold_acc: only 1.0 (exact); lower values are a ValueError.
-        deterministic: accepted; ours is always deterministic.
+        seed, offset: per request (``(bs,)`` int64) or ints.
         backend, validate: as in :func:`specdec_kernels.verify_tree`.
 
     sgl-kernel's test (``tests/test_speculative_sampling.py``), whose target rows are one-hot
-    so that every decision is forced:
+    so that every decision is forced, called as SGLang calls its kernel:
 
     >>> import torch
     >>> from specdec_kernels.adapters import sglang
@@ -274,8 +292,12 @@ def tree_speculative_sampling_target_only(
     >>> accept_index = torch.full((2, 4), -1, dtype=torch.int32)
     >>> accept_token_num = torch.zeros(2, dtype=torch.int32)
     >>> sglang.tree_speculative_sampling_target_only(
-    ...     predicts, accept_index, accept_token_num, candidates, retrive_index,
-    ...     retrive_next_token, retrive_next_sibling, target_probs, seed=torch.tensor([1, 2]))
+    ...     predicts=predicts, accept_index=accept_index, accept_token_num=accept_token_num,
+    ...     candidates=candidates, retrive_index=retrive_index,
+    ...     retrive_next_token=retrive_next_token, retrive_next_sibling=retrive_next_sibling,
+    ...     uniform_samples=torch.rand(2, 6), uniform_samples_for_final_sampling=torch.rand(2),
+    ...     target_probs=target_probs, draft_probs=torch.zeros_like(target_probs),
+    ...     threshold_single=1.0, threshold_acc=1.0, deterministic=True)
     >>> predicts.tolist()
     [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18]
     >>> accept_index.tolist(), accept_token_num.tolist()
@@ -315,13 +337,26 @@ def tree_speculative_sampling_target_only(
         target_logits = logits_from_probs(target_probs, "target_probs")
         filters["temperature"] = 1.0
 
+    if draft_probs is not None:
+        _params.check_tensor(draft_probs, "draft_probs", ndim=3, device=device)
+        _params.check_shape(draft_probs, "draft_probs", [batch, nodes, target_logits.shape[-1]],
+                            "[bs, N, V] like the target")
+    seed, offset = _coin_seeds(seed, offset, uniform_samples, uniform_samples_for_final_sampling,
+                               batch, nodes, device)
     tree = tree_from_sglang(retrive_next_token, retrive_next_sibling, candidates,
                             validate=validate)
     if validate:
         _check_outputs(retrive_index, predicts, tree.parents, num_spec_step)
-    out = verify_tree(target_logits, candidates, tree.parents, draft_probs=draft_probs,
-                      draft_sampling=draft_sampling, seed=seed, offset=offset, backend=backend,
-                      validate=validate, **filters)
+    # One set of seeds for every run below (seed=None draws them once).
+    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    verify = functools.partial(verify_tree, target_logits, candidates, tree.parents, seed=seeds,
+                               offset=offsets, backend=backend, validate=validate, **filters)
+    if draft_probs is None:
+        out = verify()
+    elif draft_sampling is not None:
+        out = verify(draft_probs=draft_probs, draft_sampling=draft_sampling)
+    else:
+        out = _verify_scratch_or_probs(verify, draft_probs, validate)
 
     # Path step i (root first) of the first num_spec_step: its flat index and the token
     # emitted after it. Unused steps repeat step 0's write, so nothing else changes.
@@ -335,6 +370,42 @@ def tree_speculative_sampling_target_only(
                       torch.where(used, tokens, tokens[:, :1]).flatten())
     accept_index[:, :width] = torch.where(used, flat.to(torch.int32), accept_index[:, :width])
     accept_token_num.copy_(accepted)
+
+
+def _coin_seeds(seed, offset, uniform_samples, final_coins, batch: int, nodes: int, device):
+    """SGLang's coins as Philox keys (when no seed is given): seed from the float32 bits of
+    ``uniform_samples[:, 0]`` and ``final_coins`` (each below 2**30), offset from
+    ``uniform_samples[:, 1]``."""
+    for name, coins, shape in (("uniform_samples", uniform_samples, [batch, nodes]),
+                               ("uniform_samples_for_final_sampling", final_coins, [batch])):
+        if coins is not None:
+            _params.check_tensor(coins, name, dtypes=(torch.float32,), device=device)
+            _params.check_shape(coins, name, shape, "SGLang's coins")
+    if seed is not None or uniform_samples is None or final_coins is None:
+        return seed, offset
+    bits = lambda coins: coins.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    seed = (bits(uniform_samples[:, 0]) << 32) | bits(final_coins)
+    if offset is None and nodes > 1:
+        offset = bits(uniform_samples[:, 1])
+    return seed, offset
+
+
+def _verify_scratch_or_probs(verify, draft_probs: torch.Tensor, validate: bool):
+    """Requests whose ``draft_probs`` are all zero (SGLang's scratch) as deterministic
+    candidates, the others with their ``q`` (i.i.d. children)."""
+    batch = draft_probs.shape[0]
+    scratch = ~draft_probs.reshape(batch, -1).any(-1)
+    if validate:  # one synchronisation: usually the whole batch takes one rule
+        all_scratch, no_scratch = torch.stack([scratch.all(), (~scratch).all()]).tolist()
+        if all_scratch:
+            return verify()
+        if no_scratch:
+            return verify(draft_probs=draft_probs, draft_sampling="iid")
+    as_candidates = verify()
+    with_probs = verify(draft_probs=draft_probs, draft_sampling="iid")
+    pick = lambda a, b: None if a is None else torch.where(
+        scratch.view((batch,) + (1,) * (a.dim() - 1)), a, b)
+    return type(as_candidates)(*(pick(a, b) for a, b in zip(as_candidates, with_probs)))
 
 
 def _check_outputs(retrive_index: torch.Tensor, predicts: torch.Tensor, parents: torch.Tensor,

@@ -184,9 +184,15 @@ def rejection_sample(metadata, draft_probs: Optional[torch.Tensor], logits: torc
 
 
 class RejectionSampler(torch.nn.Module):
-    """A stand-in for ``vllm.v1.sample.rejection_sampler.RejectionSampler``: ``forward`` takes
-    vLLM's arguments and returns a ``SamplerOutput`` (vLLM's class when vLLM is installed).
-    Keyword arguments of :func:`rejection_sample` pass through."""
+    """A stand-in for ``vllm.v1.sample.rejection_sampler.RejectionSampler``: built as vLLM's
+    (``RejectionSampler(sampler)``), ``forward`` takes vLLM's arguments and returns a
+    ``SamplerOutput`` (vLLM's class when vLLM is installed). Keyword arguments of
+    :func:`rejection_sample` pass through. ``sampler`` is kept for vLLM's code that reads it;
+    the bonus tokens are sampled in our kernel, so it is never called."""
+
+    def __init__(self, sampler=None):
+        super().__init__()
+        self.sampler = sampler
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata, **kwargs):
         tokens = rejection_sample(metadata, draft_probs, logits, sampling_metadata, **kwargs)
