@@ -208,6 +208,17 @@ def _sglang_outputs(batch, nodes, num_spec_step):
             torch.zeros(batch, dtype=torch.int32))
 
 
+def _sglang_emitted(parents, candidates, *coins, **kwargs) -> list:
+    """Each request's emitted tokens (``predicts`` along its accepted path) from SGLang's call
+    on this tree; ``coins`` are SGLang's positional uniforms, ``kwargs`` the rest."""
+    batch, nodes = candidates.shape
+    tree = sglang.tree_to_sglang(parents, candidates)
+    predicts, accept_index, accept_token_num = outputs = _sglang_outputs(batch, nodes, 4)
+    sglang.tree_speculative_sampling_target_only(*outputs, *tree[3:], *tree[:3], *coins, **kwargs)
+    return [predicts[accept_index[b, :int(accept_token_num[b]) + 1].long()].tolist()
+            for b in range(batch)]
+
+
 @pytest.mark.parametrize("backend", TREE_BACKENDS)
 @pytest.mark.parametrize("inputs", ["probs", "logits"])
 def test_sglang_documented_example(backend, inputs):
@@ -349,22 +360,16 @@ def test_sglang_zero_draft_rows_are_deterministic_candidates_and_coins_key_the_s
             assert predicts[accept_index[b, :m + 1].long()].tolist() == \
                 expected.output_token_ids[b, :m + 1].tolist()
 
-    coins = torch.rand(batch, nodes, generator=gen), torch.rand(batch, generator=gen)
+    coins, final_coins = torch.rand(batch, nodes, generator=gen), torch.rand(batch, generator=gen)
 
-    def emitted(order, coins):
-        tree = sglang.tree_to_sglang(parents, candidates[order])
-        predicts, accept_index, accept_token_num = outputs = _sglang_outputs(batch, nodes, 4)
-        sglang.tree_speculative_sampling_target_only(
-            *outputs, *tree[3:], *tree[:3], coins[0][order], coins[1][order],
-            target_logits=logits[order], draft_probs=draft[order])
-        return [predicts[accept_index[b, :int(accept_token_num[b]) + 1].long()].tolist()
-                for b in range(batch)]
+    def emitted(order, coins, final_coins):
+        return _sglang_emitted(parents, candidates[order], coins[order], final_coins[order],
+                               target_logits=logits[order], draft_probs=draft[order])
 
     perm = torch.randperm(batch, generator=gen)
-    base = emitted(torch.arange(batch), coins)
-    assert emitted(perm, coins) == [base[b] for b in perm.tolist()]
-    other = emitted(torch.arange(batch), (coins[0].flip(0), coins[1].flip(0)))
-    assert other != base
+    base = emitted(torch.arange(batch), coins, final_coins)
+    assert emitted(perm, coins, final_coins) == [base[b] for b in perm.tolist()]
+    assert emitted(torch.arange(batch), coins.flip(0), final_coins.flip(0)) != base
 
 
 def test_sglang_unvalidated_garbage_stays_in_range():
@@ -440,13 +445,8 @@ def test_sglang_permuted_batch_permutes_emitted_tokens():
     seeds = torch.randint(0, 2**62, (batch,), generator=gen)
 
     def emitted(order):
-        eagle = sglang.tree_to_sglang(parents, candidates[order])
-        predicts, accept_index, accept_token_num = outputs = _sglang_outputs(batch, nodes, 4)
-        sglang.tree_speculative_sampling_target_only(
-            *outputs, *eagle[3:], *eagle[:3], target_probs=probs[order],
-            draft_probs=draft[order], seed=seeds[order])
-        return [predicts[accept_index[b, :int(accept_token_num[b]) + 1].long()].tolist()
-                for b in range(batch)]
+        return _sglang_emitted(parents, candidates[order], target_probs=probs[order],
+                               draft_probs=draft[order], seed=seeds[order])
 
     identity, perm = torch.arange(batch), torch.randperm(batch, generator=gen)
     base = emitted(identity)
