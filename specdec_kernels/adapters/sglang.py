@@ -47,6 +47,8 @@ What differs from sgl-kernel (each also in the docstring):
   law but other tokens for a given seed.
 * A node that no list reaches is a ``ValueError`` (SGLang prints a warning and skips it),
   as is a tree deeper than ``accept_index`` has columns for (SGLang stops there).
+* Only ``predicts``, ``accept_index`` and ``accept_token_num`` are written; SGLang's kernel
+  also writes into its ``draft_probs`` scratch, ours never does.
 """
 from __future__ import annotations
 
