@@ -20,7 +20,7 @@ import specdec_kernels as sk
 from conftest import CHAIN_BACKENDS, _triton_param
 from specdec_kernels.adapters import _common, flashinfer, sglang, vllm
 from test_chain_exactness import ALPHA, _chi_square
-from test_dropin import FEATURE_BACKENDS, bitmask_of, oracle_probs
+from test_dropin import bitmask_of, oracle_probs
 
 TREE_BACKENDS = ["reference", _triton_param("specdec_kernels.triton.tree")]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -507,9 +507,12 @@ def test_vllm_equals_verify_chain_on_the_padded_equivalent(backend):
     _check_vllm_against_padded(backend, min_p=None)
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", CHAIN_BACKENDS)
 def test_vllm_min_p_equals_verify_chain_on_the_padded_equivalent(backend):
-    _check_vllm_against_padded(backend, min_p=torch.tensor([0.0, 0.1, 0.0, 0.3, 0.05]))
+    try:
+        _check_vllm_against_padded(backend, min_p=torch.tensor([0.0, 0.1, 0.0, 0.3, 0.05]))
+    except NotImplementedError as err:  # runs as soon as the kernels take min_p
+        pytest.skip(str(err))
 
 
 def _check_vllm_against_padded(backend, min_p):
