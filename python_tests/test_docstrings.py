@@ -4,7 +4,8 @@ import importlib
 
 import pytest
 
-MODULES = ["sampling", "chain", "tree", "tree_attention", "kv_cache"]
+MODULES = ["sampling", "chain", "tree", "tree_attention", "kv_cache",
+           "adapters.vllm", "adapters.flashinfer", "adapters.sglang"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -4,15 +4,15 @@ Every op has a pure-PyTorch reference (``specdec_kernels.reference``), Triton ke
 (``specdec_kernels.triton``) and, for tree attention and the KV cache, a C++/CUDA extension.
 See CONTRACT.md (shared) and README.md.
 """
-from .sampling import processed_probs, sample
-from .chain import ChainVerifyOutput, verify_chain
+from .sampling import SampleOutput, processed_probs, sample
+from .chain import ChainVerifyOutput, verify_chain, verify_chain_packed
 from .tree import TreeVerifyOutput, verify_tree
 from .tree_attention import TreeAttention, build_tree_attention
 from .kv_cache import compact_kv_cache, compact_paged_kv_cache
 
 __all__ = [
-    "processed_probs", "sample",
-    "ChainVerifyOutput", "verify_chain",
+    "processed_probs", "sample", "SampleOutput",
+    "ChainVerifyOutput", "verify_chain", "verify_chain_packed",
     "TreeVerifyOutput", "verify_tree",
     "TreeAttention", "build_tree_attention",
     "compact_kv_cache", "compact_paged_kv_cache",

@@ -167,17 +167,20 @@ class SamplingParams:
     uses_top_k: bool
     uses_top_p: bool
     all_greedy: bool           # host-known: every request is greedy
+    min_p: Optional[torch.Tensor] = None  # float32 [B], 0 disables (contract section 8)
+    uses_min_p: bool = False   # host-side hint like uses_top_k: False when min_p is off
 
 
 def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerRequest, *,
                     batch: int, vocab_size: int, device: torch.device,
-                    validate: bool) -> SamplingParams:
+                    validate: bool, min_p: PerRequest = None) -> SamplingParams:
     # Python numbers are checked on the host whatever ``validate`` says (no synchronisation);
     # tensors below, on their device, only when validating.
     _check_scalar(temperature, "temperature", lambda t: t >= 0 and t != math.inf,
                   "finite values >= 0 (0 = greedy)")
     _check_scalar(top_k, "top_k", lambda k: k >= 0, "values >= 0 (0 disables)")
     _check_scalar(top_p, "top_p", lambda p: 0 < p <= 1, "values in (0, 1] (1 disables)")
+    _check_scalar(min_p, "min_p", lambda m: 0 <= m <= 1, "values in [0, 1] (0 disables)")
     # float64 tensors are checked in float64 (then rounded, below), as Python numbers are.
     t = per_request(_clamp_temperature(temperature), "temperature", batch, device,
                     _float_dtype(temperature), 1.0)
@@ -195,6 +198,11 @@ def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerReques
         if isinstance(top_p, torch.Tensor) and _any(~((p > 0) & (p <= 1))):
             bad = p[~((p > 0) & (p <= 1))][0].item()
             raise ValueError(f"top_p: expected values in (0, 1] (1 disables), got {bad}")
+    m = per_request(min_p, "min_p", batch, device, _float_dtype(min_p), 0.0)
+    if validate and isinstance(min_p, torch.Tensor) and _any(~((m >= 0) & (m <= 1))):
+        bad = m[~((m >= 0) & (m <= 1))][0].item()
+        raise ValueError(f"min_p: expected values in [0, 1] (0 disables), got {bad}")
+    uses_min_p = isinstance(min_p, torch.Tensor) or (min_p not in (None, 0, 0.0))
     uses_top_k = isinstance(top_k, torch.Tensor) or (top_k not in (None, 0) and top_k < vocab_size)
     uses_top_p = isinstance(top_p, torch.Tensor) or (top_p not in (None, 1, 1.0))
     all_greedy = (not isinstance(temperature, torch.Tensor)) and temperature == 0
@@ -202,8 +210,30 @@ def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerReques
         k = k.clamp(0, 2**31 - 1).to(torch.int32)
     if t.dtype == torch.float64:  # finite temperatures past float32's range: its largest
         t = t.clamp(max=FLOAT32_MAX).to(torch.float32)
-    p = p.to(torch.float32)
-    return SamplingParams(t, k, p, uses_top_k, uses_top_p, all_greedy)
+    p, m = p.to(torch.float32), m.to(torch.float32)
+    return SamplingParams(t, k, p, uses_top_k, uses_top_p, all_greedy, m, uses_min_p)
+
+
+LOGPROB_KINDS = (None, "processed", "raw")
+
+
+def check_return_logprobs(value) -> None:
+    """``return_logprobs`` (contract section 9): None, ``"processed"`` or ``"raw"``."""
+    if not (value is None or (isinstance(value, str) and value in LOGPROB_KINDS)):
+        raise ValueError(f"return_logprobs: expected one of {LOGPROB_KINDS}, got {value!r}")
+
+
+def check_token_bitmask(bitmask, lead_shape: Sequence[int], vocab: int,
+                        device: torch.device, what: str) -> Optional[torch.Tensor]:
+    """``token_bitmask`` (contract section 8): None, or int32 ``[*lead_shape, ceil(V/32)]`` on
+    ``device`` (xgrammar's layout). Shape checks always run (a wrong width is a shape, so also
+    with ``validate=False``); the bits themselves are never read here."""
+    if bitmask is None:
+        return None
+    check_tensor(bitmask, "token_bitmask", dtypes=(torch.int32,), device=device)
+    check_shape(bitmask, "token_bitmask", list(lead_shape) + [-(-vocab // 32)],
+                f"{what}, ceil(V/32) = {-(-vocab // 32)} int32 words per row for V = {vocab}")
+    return bitmask
 
 
 # A finite temperature >= 3.4028e38 (past float32's range) is taken as float32's largest

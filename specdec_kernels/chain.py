@@ -13,6 +13,9 @@ from .reference import chain as _reference
 class ChainVerifyOutput(NamedTuple):
     output_token_ids: torch.Tensor  # [B, K+1] int32: accepted drafts, correction/bonus, then -1
     num_accepted: torch.Tensor      # [B] int32
+    logprobs: Optional[torch.Tensor] = None  # [B, K+1] float32 with return_logprobs, NaN at -1
+
+METHODS = ("token",)  # contract section 12; "block" joins with its kernels
 
 
 @_backend.on_input_device
@@ -22,7 +25,9 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                  num_draft_tokens: PerRequest = None, temperature: PerRequest = None,
                  top_k: PerRequest = None, top_p: PerRequest = None, seed: PerRequest = None,
                  offset: PerRequest = None, backend: str = "auto",
-                 validate: bool = True) -> ChainVerifyOutput:
+                 validate: bool = True, min_p: PerRequest = None,
+                 token_bitmask: Optional[torch.Tensor] = None,
+                 return_logprobs: Optional[str] = None) -> ChainVerifyOutput:
     r"""Verify a batch of draft chains exactly (speculative sampling, Leviathan et al. / Chen et al.).
 
     For request ``b`` with ``n = num_draft_tokens[b]`` drafts: greedy requests
@@ -44,12 +49,21 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
             parameters)``. Shape and dtype as ``draft_probs``. Neither given: the drafter was
             deterministic and ``q`` is one-hot at the drafted token. Both: ``ValueError``.
         num_draft_tokens: int or ``(batch_size,)`` int tensor in ``0..K``; default K.
-        temperature, top_k, top_p: per request, as in :func:`processed_probs`.
+        temperature, top_k, top_p, min_p: per request, as in :func:`processed_probs`
+            (``min_p`` also processes ``draft_logits``).
         seed, offset: per request, as in :func:`sample`; the acceptance uniforms and the
             correction noise are separate Philox streams keyed by them.
         backend: ``"auto"`` (Triton for CUDA tensors, reference for CPU tensors),
             ``"reference"`` or ``"triton"`` (CPU tensors need ``TRITON_INTERPRET=1``).
         validate: check ids, lengths and parameter values (reads only those small tensors).
+        token_bitmask: allowed tokens of each target row (a grammar's mask, xgrammar's
+            layout): bit ``v % 32`` of word ``v // 32`` set = token ``v`` allowed.
+            Shape ``(batch_size, num_draft_tokens + 1, ceil(vocab_size / 32))``; int32.
+            Target rows only, never the draft distribution.
+        return_logprobs: None, ``"processed"`` or ``"raw"``: also return the log-probability
+            of each emitted token under the processed target row it was emitted at (row ``j``
+            for output position ``j``; 0.0 on greedy requests) or under the model's own
+            ``log_softmax`` of that row.
 
     Returns:
         ChainVerifyOutput with
@@ -57,11 +71,18 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
         drafts, then one correction or bonus token, then ``-1``.
         ``num_accepted``: Shape ``(batch_size,)``; int32; the request emits
         ``num_accepted + 1`` tokens.
+        ``logprobs``: Shape ``(batch_size, num_draft_tokens + 1)``; float32, NaN where the
+        token is ``-1``; None without ``return_logprobs``.
 
     >>> import torch, specdec_kernels as sk
     >>> logits = torch.tensor([[[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0]]])
     >>> sk.verify_chain(logits, torch.tensor([[1, 2]]), temperature=0.0)
-    ChainVerifyOutput(output_token_ids=tensor([[ 1,  0, -1]], dtype=torch.int32), num_accepted=tensor([1], dtype=torch.int32))
+    ChainVerifyOutput(output_token_ids=tensor([[ 1,  0, -1]], dtype=torch.int32), num_accepted=tensor([1], dtype=torch.int32), logprobs=None)
+    >>> out = sk.verify_chain(logits, torch.tensor([[1, 2]]), temperature=0.0,
+    ...                       token_bitmask=torch.tensor([[[6], [6], [6]]], dtype=torch.int32),
+    ...                       return_logprobs="raw")
+    >>> out.output_token_ids, out.logprobs  # token 0 is masked: row 1 emits 1 (tied with 2)
+    (tensor([[ 1,  1, -1]], dtype=torch.int32), tensor([[-2.4673e-04, -9.0002e+00,         nan]]))
     """
     batch, rows, vocab = _params.check_verify_logits(target_logits, "target_logits", "K+1")
     device = target_logits.device
@@ -70,18 +91,14 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                          device=device)
     _params.check_shape(draft_token_ids, "draft_token_ids", [batch, num_drafts],
                         "[B, K] from target_logits [B, K+1, V]")
-    if draft_probs is not None and draft_logits is not None:
-        raise ValueError("draft_probs, draft_logits: expected at most one of them, got both")
-    for name, draft in (("draft_probs", draft_probs), ("draft_logits", draft_logits)):
-        if draft is not None:
-            dtypes = _params.LOGIT_DTYPES if name == "draft_logits" else \
-                _params.LOGIT_DTYPES + (torch.float64,)
-            _params.check_tensor(draft, name, dtypes=dtypes, device=device)
-            _params.check_shape(draft, name, [batch, num_drafts, vocab],
-                                "[B, K, V] from target_logits [B, K+1, V]")
+    _check_drafts(draft_probs, draft_logits, [batch, num_drafts, vocab],
+                  "[B, K, V] from target_logits [B, K+1, V]", device)
+    _params.check_token_bitmask(token_bitmask, [batch, rows], vocab, device,
+                                "[B, K+1, W] like target_logits [B, K+1, V]")
+    _params.check_return_logprobs(return_logprobs)
     use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
-                                     device=device, validate=validate)
+                                     device=device, validate=validate, min_p=min_p)
     num_draft_tokens = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device,
                                            torch.int32, num_drafts)
     if validate:
@@ -89,17 +106,216 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     num_draft_tokens = _params.narrow_int32(num_draft_tokens, 0, num_drafts)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
+                      num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs)
 
+
+@_backend.on_input_device
+def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
+                        cu_num_draft_tokens: torch.Tensor, *, max_draft_tokens: int,
+                        draft_probs: Optional[torch.Tensor] = None,
+                        draft_logits: Optional[torch.Tensor] = None,
+                        temperature: PerRequest = None, top_k: PerRequest = None,
+                        top_p: PerRequest = None, min_p: PerRequest = None,
+                        token_bitmask: Optional[torch.Tensor] = None, seed: PerRequest = None,
+                        offset: PerRequest = None, method: str = "token",
+                        return_logprobs: Optional[str] = None, backend: str = "auto",
+                        validate: bool = True) -> ChainVerifyOutput:
+    r""":func:`verify_chain` on the packed (flattened) layout engines keep (vLLM's sampler).
+
+    Request ``b`` has ``n_b = cu[b+1] - cu[b]`` drafts (``cu = cu_num_draft_tokens``, ``T =
+    cu[B]`` in all). Its target rows are ``cu[b] + b .. cu[b+1] + b`` of ``target_logits``: its
+    ``n_b`` draft positions, then its bonus position; its drafts (and their ``draft_probs`` /
+    ``draft_logits`` rows) are ``cu[b] .. cu[b+1] - 1``. The answer is token for token
+    :func:`verify_chain`'s on the padded equivalent with ``num_draft_tokens = n_b``. The rows are
+    read in place (no padded copy of the logits).
+
+    Args:
+        target_logits: Shape ``(T + batch_size, vocab_size)``; float32, bfloat16 or float16.
+        draft_token_ids: Shape ``(T,)``; int32 or int64.
+        cu_num_draft_tokens: exclusive prefix sums of the draft counts, ``cu[0] = 0``.
+            Shape ``(batch_size + 1,)``; int32 or int64, on the logits' device.
+        max_draft_tokens: Python int K >= every ``n_b``: the output has K + 1 columns.
+        draft_probs, draft_logits: Shape ``(T, vocab_size)``, packed like the drafts.
+        temperature, top_k, top_p, min_p, seed, offset: per request, as in
+            :func:`verify_chain`.
+        token_bitmask: Shape ``(T + batch_size, ceil(vocab_size / 32))``; int32, one row per
+            target row.
+        method: ``"token"`` (contract section 3).
+        return_logprobs, backend, validate: as in :func:`verify_chain`.
+
+    Returns:
+        ChainVerifyOutput as :func:`verify_chain`: ``output_token_ids`` Shape
+        ``(batch_size, max_draft_tokens + 1)``; int32, ``-1`` padded; ``num_accepted`` Shape
+        ``(batch_size,)``; int32; ``logprobs`` Shape ``(batch_size, max_draft_tokens + 1)``;
+        float32 or None.
+
+    >>> import torch, specdec_kernels as sk
+    >>> logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 9.0], [9.0, 0.0, 0.0]])
+    >>> out = sk.verify_chain_packed(logits, torch.tensor([1]), torch.tensor([0, 1, 1]),
+    ...                              max_draft_tokens=2, temperature=0.0)
+    >>> out.output_token_ids, out.num_accepted  # request 0: draft 1, bonus 2; request 1: 0
+    (tensor([[ 1,  2, -1],
+            [ 0, -1, -1]], dtype=torch.int32), tensor([1, 0], dtype=torch.int32))
+    """
+    from ._rng import MAX_POSITION
+    _params.check_tensor(target_logits, "target_logits", ndim=2, dtypes=_params.LOGIT_DTYPES)
+    device = target_logits.device
+    total_rows, vocab = target_logits.shape
+    if vocab < 1:
+        raise ValueError(f"target_logits: expected shape [T+B, V] with V >= 1, "
+                         f"got {list(target_logits.shape)}")
+    _params.check_tensor(draft_token_ids, "draft_token_ids", ndim=1,
+                         dtypes=_params.INDEX_DTYPES, device=device)
+    _params.check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", ndim=1,
+                         dtypes=_params.INDEX_DTYPES, device=device)
+    if cu_num_draft_tokens.shape[0] < 1:
+        raise ValueError("cu_num_draft_tokens: expected shape [B+1] with B >= 0, got [0]")
+    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int):
+        raise TypeError(f"max_draft_tokens: expected a Python int (K), "
+                        f"got {type(max_draft_tokens).__name__}")
+    if not 0 <= max_draft_tokens < MAX_POSITION:
+        raise ValueError(f"max_draft_tokens: expected 0 <= K < {MAX_POSITION}, "
+                         f"got {max_draft_tokens}")
+    batch = cu_num_draft_tokens.shape[0] - 1
+    num_packed = draft_token_ids.shape[0]
+    if total_rows != num_packed + batch:
+        raise ValueError(f"cu_num_draft_tokens, target_logits: expected T + B = {num_packed} + "
+                         f"{batch} rows (T = len(draft_token_ids), B = len(cu_num_draft_tokens)"
+                         f" - 1), got target_logits of shape {list(target_logits.shape)}")
+    _check_drafts(draft_probs, draft_logits, [num_packed, vocab],
+                  "[T, V], packed like draft_token_ids [T]", device)
+    _params.check_token_bitmask(token_bitmask, [total_rows], vocab, device,
+                                "[T+B, W] like target_logits [T+B, V]")
+    check_method(method)
+    _params.check_return_logprobs(return_logprobs)
+    use_triton = _backend.resolve(backend, device) == "triton"
+    params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
+                                     device=device, validate=validate, min_p=min_p)
+    if validate:
+        _check_packed_values(draft_token_ids, cu_num_draft_tokens, max_draft_tokens, vocab)
+    layout = packed_layout(cu_num_draft_tokens, num_packed, max_draft_tokens)
+    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
+                      layout.num_draft_tokens, params, seeds, offsets, token_bitmask,
+                      return_logprobs, layout=layout)
+
+
+class PackedLayout(NamedTuple):
+    """Where request ``b``'s rows of a packed chain are, computed on the device from
+    ``cu_num_draft_tokens`` (no synchronisation, graph-capturable). Unvalidated offsets are
+    clamped so that every index is in range: ``n_b`` to ``0..min(K, T - start_b)``."""
+    target_rows: torch.Tensor       # [B, K+1] int64: row of position j (j > n_b: the bonus row)
+    draft_rows: torch.Tensor        # [B, K] int64: packed index of draft j (j >= n_b: T, padding)
+    num_draft_tokens: torch.Tensor  # [B] int32: n_b
+    num_packed: int                 # T
+
+
+def packed_layout(cu_num_draft_tokens: torch.Tensor, num_packed: int,
+                  max_draft_tokens: int) -> PackedLayout:
+    cu = cu_num_draft_tokens.to(torch.int64)
+    batch = cu.shape[0] - 1
+    start = cu[:batch].clamp(0, num_packed)
+    n = torch.minimum((cu[1:] - cu[:batch]).clamp(0, max_draft_tokens), num_packed - start)
+    position = torch.arange(max_draft_tokens + 1, device=cu.device)
+    request = torch.arange(batch, device=cu.device)
+    target_rows = (start + request)[:, None] + torch.minimum(position, n[:, None])
+    draft_position = position[:max_draft_tokens]
+    draft_rows = torch.where(draft_position < n[:, None], start[:, None] + draft_position,
+                             num_packed)
+    return PackedLayout(target_rows, draft_rows, n.to(torch.int32), num_packed)
+
+
+def check_method(method) -> None:
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+
+
+def _check_drafts(draft_probs, draft_logits, shape, what: str, device) -> None:
+    if draft_probs is not None and draft_logits is not None:
+        raise ValueError("draft_probs, draft_logits: expected at most one of them, got both")
+    for name, draft in (("draft_probs", draft_probs), ("draft_logits", draft_logits)):
+        if draft is not None:
+            dtypes = _params.LOGIT_DTYPES if name == "draft_logits" else \
+                _params.LOGIT_DTYPES + (torch.float64,)
+            _params.check_tensor(draft, name, dtypes=dtypes, device=device)
+            _params.check_shape(draft, name, shape, what)
+
+
+def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
+               num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs,
+               layout: Optional[PackedLayout] = None) -> ChainVerifyOutput:
+    """The parsed call on its backend; ``layout``: the inputs are packed."""
+    if layout is not None:  # the reference of the packed layout is the padded one (its definition)
+        target_logits, draft_token_ids, draft_probs, draft_logits, token_bitmask = \
+            padded_inputs(layout, target_logits, draft_token_ids, draft_probs, draft_logits,
+                          token_bitmask)
     if use_triton:
         from .triton import chain as _triton
+        _triton_features_missing(params, token_bitmask, return_logprobs)
         out, accepted = _triton.verify_chain(target_logits, draft_token_ids, draft_probs,
                                              draft_logits, num_draft_tokens, params, seeds,
                                              offsets)
-    else:
-        out, accepted = _reference.verify_chain(target_logits, draft_token_ids, draft_probs,
-                                                draft_logits, num_draft_tokens, params.temperature,
-                                                params.top_k, params.top_p, seeds, offsets)
-    return ChainVerifyOutput(out, accepted)
+        return ChainVerifyOutput(out, accepted)
+    out, accepted, logprobs = _reference.verify_chain(
+        target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
+        params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,
+        token_bitmask=token_bitmask, return_logprobs=return_logprobs)
+    return ChainVerifyOutput(out, accepted, logprobs)
+
+
+def _triton_features_missing(params, token_bitmask, return_logprobs) -> None:
+    """Interim: the kernels do not take the section 8-9 arguments yet."""
+    for name, used in (("min_p", params.uses_min_p), ("token_bitmask", token_bitmask is not None),
+                       ("return_logprobs", return_logprobs is not None)):
+        if used:
+            raise NotImplementedError(f"{name}: not in the Triton kernels yet; use "
+                                      f"backend='reference'")
+
+
+def padded_inputs(layout: PackedLayout, target_logits, draft_token_ids, draft_probs,
+                  draft_logits, token_bitmask):
+    """The padded ``[B, K+1, ...]`` / ``[B, K, ...]`` equivalents of packed inputs (a copy:
+    the reference's definition of the packed layout, never the kernels' path). Draft padding
+    is id -1 and zero draft rows."""
+    def drafts_of(packed):
+        if packed is None:
+            return None
+        padding = packed.new_zeros((1,) + tuple(packed.shape[1:]))
+        return torch.cat([packed, padding])[layout.draft_rows]
+    ids = torch.cat([draft_token_ids, draft_token_ids.new_full((1,), -1)])[layout.draft_rows]
+    bitmask = None if token_bitmask is None else token_bitmask[layout.target_rows]
+    return (target_logits[layout.target_rows], ids, drafts_of(draft_probs),
+            drafts_of(draft_logits), bitmask)
+
+
+def _check_packed_values(draft_token_ids: torch.Tensor, cu: torch.Tensor, max_draft_tokens: int,
+                         vocab: int) -> None:
+    """Contract section 10's bad offsets, then the ids (reads only these small tensors)."""
+    cu = cu.to(torch.int64)
+    batch = cu.shape[0] - 1
+    counts = cu[1:] - cu[:batch]
+    num_packed = draft_token_ids.shape[0]
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_num_draft_tokens: expected cu[0] = 0, got {int(cu[0])}")
+    if bool((counts < 0).any()):
+        b = int((counts < 0).nonzero()[0, 0])
+        raise ValueError(f"cu_num_draft_tokens: expected non-decreasing offsets, got "
+                         f"cu[{b}] = {int(cu[b])} > cu[{b + 1}] = {int(cu[b + 1])}")
+    if bool((counts > max_draft_tokens).any()):
+        b = int((counts > max_draft_tokens).nonzero()[0, 0])
+        raise ValueError(f"cu_num_draft_tokens: expected at most max_draft_tokens = "
+                         f"{max_draft_tokens} drafts per request, got {int(counts[b])} for "
+                         f"request {b}")
+    if int(cu[batch]) != num_packed:
+        raise ValueError(f"cu_num_draft_tokens: expected cu[B] = len(draft_token_ids) = "
+                         f"{num_packed}, got cu[{batch}] = {int(cu[batch])}")
+    ids = draft_token_ids.to(torch.int64)
+    out_of_range = (ids < 0) | (ids >= vocab)
+    if bool(out_of_range.any()):
+        t = int(out_of_range.nonzero()[0, 0])
+        raise ValueError(f"draft_token_ids: expected ids in [0, {vocab}), got {int(ids[t])} "
+                         f"at [{t}]")
 
 
 def _check_chain_values(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,

@@ -1,6 +1,8 @@
 """Public ``processed_probs`` and ``sample`` (contract sections 1 and 2)."""
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 from . import _backend, _params
@@ -17,14 +19,24 @@ def _check_logits(logits, name: str = "logits", ndim=None) -> torch.Tensor:
     return logits
 
 
-def processed_probs(logits: torch.Tensor, temperature: PerRequest = None, top_k: PerRequest = None,
-                    top_p: PerRequest = None, *, validate: bool = True) -> torch.Tensor:
-    r"""The target distribution that verification preserves (contract section 1).
+class SampleOutput(NamedTuple):
+    """What :func:`sample` returns when ``return_logprobs`` is set."""
+    token_ids: torch.Tensor  # [B] int32, -1 for a row with nothing to sample
+    logprobs: torch.Tensor   # [B] float32, NaN where the token is -1
 
-    Per row: ``temperature`` (0 = greedy: one-hot at the arg-max, lowest id among ties), then
-    ``top_k`` on the scaled logits (boundary ties kept), softmax, then ``top_p`` (the smallest
-    set of most likely tokens reaching ``top_p``, boundary ties kept), renormalised. NaN and
-    infinite logits are never sampled; a row with no finite logit is all zero.
+
+def processed_probs(logits: torch.Tensor, temperature: PerRequest = None, top_k: PerRequest = None,
+                    top_p: PerRequest = None, *, validate: bool = True,
+                    min_p: PerRequest = None,
+                    token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    r"""The target distribution that verification preserves (contract sections 1 and 8).
+
+    Per row: ``token_bitmask`` (a cleared bit makes that logit ``-inf``), ``temperature`` (0 =
+    greedy: one-hot at the arg-max of the allowed tokens, lowest id among ties), then
+    ``top_k`` on the scaled logits ``z`` (boundary ties kept), ``min_p`` (keep
+    ``z >= max(z) + log(min_p)``), softmax, then ``top_p`` (the smallest set of most likely
+    tokens reaching ``top_p``, boundary ties kept), renormalised. NaN and infinite logits are
+    never sampled; a row with no finite allowed logit is all zero.
 
     Args:
         logits: raw logits. Shape: ``(..., vocab_size)`` (dim 0 is the request); dtype
@@ -33,28 +45,43 @@ def processed_probs(logits: torch.Tensor, temperature: PerRequest = None, top_k:
         top_k: Python int or ``(batch_size,)`` int tensor; 0 or ``>= vocab_size`` disables.
         top_p: Python float or ``(batch_size,)`` tensor in ``(0, 1]``; 1.0 disables.
         validate: check parameter values (reads the small parameter tensors).
+        min_p: Python float or ``(batch_size,)`` tensor in ``[0, 1]``; 0 disables.
+        token_bitmask: allowed tokens, xgrammar's layout: bit ``v % 32`` (least significant
+            first) of word ``v // 32`` set = token ``v`` allowed; bits past V ignored.
+            Shape ``(..., ceil(vocab_size / 32))`` matching ``logits``; int32.
 
     Returns:
-        probs: Shape ``logits.shape``; dtype float32 (float64 for float64 logits). Rows sum to 1.
+        probs: Shape ``logits.shape``; dtype float32 (float64 for float64 logits). Rows sum to 1
+        (all zero where nothing is allowed).
 
     >>> import torch, specdec_kernels as sk
     >>> sk.processed_probs(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), temperature=1.0, top_k=2)
     tensor([[0.7311, 0.2689, 0.0000, 0.0000]])
+    >>> sk.processed_probs(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), min_p=0.3,
+    ...                    token_bitmask=torch.tensor([[0b1110]], dtype=torch.int32))
+    tensor([[0.0000, 0.7311, 0.2689, 0.0000]])
     """
     _check_logits(logits)
     squeeze = logits.dim() == 1
     rows = logits[None] if squeeze else logits
+    _params.check_token_bitmask(token_bitmask, logits.shape[:-1], logits.shape[-1],
+                                logits.device, "[..., W] like logits [..., V]")
+    if token_bitmask is not None and squeeze:
+        token_bitmask = token_bitmask[None]
     params = _params.sampling_params(temperature, top_k, top_p, batch=rows.shape[0],
                                      vocab_size=rows.shape[-1], device=rows.device,
-                                     validate=validate)
-    probs = _reference.processed_probs(rows, params.temperature, params.top_k, params.top_p)
+                                     validate=validate, min_p=min_p)
+    probs = _reference.processed_probs(rows, params.temperature, params.top_k, params.top_p,
+                                       params.min_p, token_bitmask)
     return probs[0] if squeeze else probs
 
 
 @_backend.on_input_device
 def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRequest = None,
            top_p: PerRequest = None, seed: PerRequest = None, offset: PerRequest = None,
-           backend: str = "auto", validate: bool = True) -> torch.Tensor:
+           backend: str = "auto", validate: bool = True, min_p: PerRequest = None,
+           token_bitmask: Optional[torch.Tensor] = None,
+           return_logprobs: Optional[str] = None):
     r"""Draw one token per row from :func:`processed_probs` (exactly its law).
 
     The noise is the ``sample`` stream of the Philox scheme keyed by ``(seed, offset)``, so a
@@ -64,22 +91,34 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
     Args:
         logits: Shape ``(batch_size, vocab_size)``; dtype float32, bfloat16 or float16
             (float64 on the reference backend, which ``"auto"`` then picks).
-        temperature, top_k, top_p: as in :func:`processed_probs`.
+        temperature, top_k, top_p, min_p: as in :func:`processed_probs`.
         seed: int or ``(batch_size,)`` int64 tensor; None draws one per request from torch's
             default generator.
         offset: int or ``(batch_size,)`` int64 tensor (per-step counter); default 0.
         backend: ``"auto"`` (Triton on CUDA, reference on CPU), ``"reference"`` or ``"triton"``.
         validate: check parameter values (reads only the small tensors).
+        token_bitmask: as in :func:`processed_probs`. Shape ``(batch_size,
+            ceil(vocab_size / 32))``; int32.
+        return_logprobs: None, ``"processed"`` (``log processed_probs`` of the token; 0.0 on
+            greedy rows) or ``"raw"`` (the model's ``log_softmax(logits)`` of the token).
 
     Returns:
-        token_ids: Shape ``(batch_size,)``; dtype int32; ``-1`` for a row with no finite logit.
+        token_ids: Shape ``(batch_size,)``; dtype int32; ``-1`` for a row with no finite
+        allowed logit. With ``return_logprobs``: ``SampleOutput(token_ids, logprobs)``,
+        ``logprobs`` Shape ``(batch_size,)``; float32, NaN where the token is ``-1``.
 
     >>> import torch, specdec_kernels as sk
     >>> sk.sample(torch.tensor([[0.0, 5.0, 0.0]]), temperature=0.0, seed=1)
     tensor([1], dtype=torch.int32)
+    >>> sk.sample(torch.tensor([[0.0, 5.0, 0.0]]), temperature=0.0, seed=1,
+    ...           token_bitmask=torch.tensor([[0b101]], dtype=torch.int32), return_logprobs="raw")
+    SampleOutput(token_ids=tensor([0], dtype=torch.int32), logprobs=tensor([-5.0134]))
     """
     _check_logits(logits, ndim=2)
     batch, vocab = logits.shape
+    _params.check_token_bitmask(token_bitmask, [batch], vocab, logits.device,
+                                "[B, W] like logits [B, V]")
+    _params.check_return_logprobs(return_logprobs)
     use_triton = _backend.resolve(backend, logits.device) == "triton"
     if use_triton and logits.dtype == torch.float64:
         if backend != "auto":
@@ -87,10 +126,14 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
                             "logits, got float64 (the reference backend takes float64)")
         use_triton = False  # "auto": float64 logits take the reference path on any device
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
-                                     device=logits.device, validate=validate)
+                                     device=logits.device, validate=validate, min_p=min_p)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=logits.device)
     if use_triton:
         from .triton import sampling as _triton
+        from .chain import _triton_features_missing
+        _triton_features_missing(params, token_bitmask, return_logprobs)
         return _triton.sample(logits, params, seeds, offsets)
-    return _reference.sample(logits, params.temperature, params.top_k, params.top_p, seeds, offsets)
+    result = _reference.sample(logits, params.temperature, params.top_k, params.top_p, seeds,
+                               offsets, params.min_p, token_bitmask, return_logprobs)
+    return result if return_logprobs is None else SampleOutput(*result)

@@ -14,6 +14,7 @@ class TreeVerifyOutput(NamedTuple):
     output_token_ids: torch.Tensor  # [B, N] int32: accepted path's tokens, correction/bonus, then -1
     accepted_nodes: torch.Tensor    # [B, N] int32: root 0, the accepted nodes, then -1
     num_accepted: torch.Tensor      # [B] int32: accepted draft nodes (root excluded)
+    logprobs: Optional[torch.Tensor] = None  # [B, N] float32 with return_logprobs, NaN at -1
 
 
 @_backend.on_input_device
@@ -22,7 +23,9 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
                 num_nodes: PerRequest = None, temperature: PerRequest = None,
                 top_k: PerRequest = None, top_p: PerRequest = None, seed: PerRequest = None,
                 offset: PerRequest = None, backend: str = "auto",
-                validate: bool = True) -> TreeVerifyOutput:
+                validate: bool = True, min_p: PerRequest = None,
+                token_bitmask: Optional[torch.Tensor] = None,
+                return_logprobs: Optional[str] = None) -> TreeVerifyOutput:
     r"""Verify a batch of draft trees exactly (multi-draft speculative sampling).
 
     From the root, at node ``u`` with processed target distribution ``p`` and children
@@ -57,13 +60,18 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
             children of a node were drawn from its ``draft_probs`` row.
         num_nodes: int or ``(batch_size,)`` int tensor in ``1..N``: nodes ``>= num_nodes[b]``
             are padding; default N.
-        temperature, top_k, top_p: per request, as in :func:`processed_probs`.
+        temperature, top_k, top_p, min_p: per request, as in :func:`processed_probs`.
         seed, offset: per request, as in :func:`sample`; acceptance uniforms use the tested
             node's index, the correction/bonus noise the index of the node it is drawn from.
         backend: ``"auto"`` (Triton for CUDA tensors, reference for CPU tensors),
             ``"reference"`` or ``"triton"`` (CPU tensors need ``TRITON_INTERPRET=1``).
         validate: check the tree, ids, lengths and parameter values (reads only those small
             tensors, never the ``[.., V]`` ones).
+        token_bitmask: allowed tokens of each node's target row, as in :func:`verify_chain`.
+            Shape ``(batch_size, num_nodes, ceil(vocab_size / 32))``; int32.
+        return_logprobs: None, ``"processed"`` or ``"raw"``, as in :func:`verify_chain`; an
+            accepted node's token is scored at its parent's row, the final token at the last
+            accepted node's row.
 
     Returns:
         TreeVerifyOutput with
@@ -73,6 +81,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
         accepted path, root 0 first, then ``-1`` (feeds :func:`compact_kv_cache`).
         ``num_accepted``: Shape ``(batch_size,)``; int32; accepted draft nodes, root excluded:
         the request emits ``num_accepted + 1`` tokens.
+        ``logprobs``: Shape ``(batch_size, num_nodes)``; float32, NaN where the token is
+        ``-1``; None without ``return_logprobs``.
 
     >>> import torch, specdec_kernels as sk
     >>> logits = torch.tensor([[[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0],
@@ -81,6 +91,9 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     ...                      temperature=0.0)
     >>> out.output_token_ids, out.accepted_nodes, out.num_accepted
     (tensor([[ 1,  2,  0, -1]], dtype=torch.int32), tensor([[ 0,  2,  3, -1]], dtype=torch.int32), tensor([2], dtype=torch.int32))
+    >>> sk.verify_tree(logits, torch.tensor([[-1, 0, 1, 2]]), torch.tensor([[-1, 0, 0, 2]]),
+    ...                temperature=0.0, return_logprobs="processed").logprobs
+    tensor([[0., 0., 0., nan]])
     """
     batch, nodes, vocab = _params.check_verify_logits(target_logits, "target_logits", "N")
     device = target_logits.device
@@ -95,9 +108,12 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
                              dtypes=_params.LOGIT_DTYPES + (torch.float64,), device=device)
         _params.check_shape(draft_probs, "draft_probs", [batch, nodes, vocab],
                             "[B, N, V] like target_logits")
+    _params.check_token_bitmask(token_bitmask, [batch, nodes], vocab, device,
+                                "[B, N, W] like target_logits [B, N, V]")
+    _params.check_return_logprobs(return_logprobs)
     use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
-                                     device=device, validate=validate)
+                                     device=device, validate=validate, min_p=min_p)
     num_nodes = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
     if validate:
         _check_tree_values(tree_token_ids, parents, num_nodes, nodes, vocab)
@@ -107,14 +123,16 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
 
     if use_triton:
         from .triton import tree as _triton
+        from .chain import _triton_features_missing
+        _triton_features_missing(params, token_bitmask, return_logprobs)
         out, path, accepted = _triton.verify_tree(target_logits, tree_token_ids, parents,
                                                   draft_probs, draft_sampling, num_nodes, params,
                                                   seeds, offsets)
-    else:
-        out, path, accepted = _reference.verify_tree(
-            target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
-            params.temperature, params.top_k, params.top_p, seeds, offsets)
-    return TreeVerifyOutput(out, path, accepted)
+        return TreeVerifyOutput(out, path, accepted)
+    return TreeVerifyOutput(*_reference.verify_tree(
+        target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
+        params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,
+        token_bitmask=token_bitmask, return_logprobs=return_logprobs))
 
 
 def _check_tree_values(tree_token_ids: torch.Tensor, parents: torch.Tensor,

@@ -5,6 +5,13 @@ Modes: ``onehot`` (no draft distribution: an n-gram or greedy drafter), ``draft_
 ``greedy`` (temperature 0, one-hot drafts) and ``top_k_top_p`` (draft probs with top-k 50 and
 top-p 0.9 on every request: the filters' threshold search; ours and the reference only, the
 baselines have no filters). Sampled modes use temperature 1.
+
+Drop-in modes (contract sections 8-10), each ``draft_probs`` plus one feature, against the plain
+``draft_probs`` chain: ``min_p`` (0.05 on every request), ``bitmask`` (an xgrammar-style int32
+``[B, K+1, ceil(V/32)]`` mask allowing about half the vocabulary), ``logprobs`` / ``logprobs_raw``
+(``return_logprobs="processed"`` / ``"raw"``), and ``packed``: ``verify_chain_packed`` on the
+flattened ``[B*(K+1), V]`` logits, against ``pad+triton`` / ``pad+reference``, the gather into
+``[B, K+1, V]`` that an engine pays today before calling ``verify_chain``.
 """
 from __future__ import annotations
 
@@ -24,7 +31,14 @@ BYTES_FORMULA = (
     " | draft_logits: B*K*V*s (every draft row, its softmax statistics are needed)"
     " | onehot/greedy: 0"
     " + B*(K+1)*4 + B*4  (output ids and num_accepted, int32)"
-    " + B*20  (seed, offset int64 and temperature fp32 per request)")
+    " + B*20  (seed, offset int64 and temperature fp32 per request)"
+    " ; drop-in modes (draft_probs plus): min_p + B*4 (fp32 min_p)"
+    " | bitmask + B*(K+1)*ceil(V/32)*4 (the int32 words)"
+    " | logprobs, logprobs_raw + B*(K+1)*4 (fp32 logprobs)"
+    " | packed + (B+1)*4 (cu_num_draft_tokens)")
+
+DROPIN_MODES = ("min_p", "bitmask", "logprobs", "logprobs_raw", "packed")
+DRAFT_PROBS_MODES = ("draft_probs", "top_k_top_p") + DROPIN_MODES
 
 SAMPLED_TEMPERATURE = 1.0
 
@@ -33,10 +47,13 @@ def min_bytes(case: Case) -> int:
     b, k, v = case.params["B"], case.params["K"], case.params["V"]
     s = torch.empty((), dtype=torch_dtype(case.dtype)).element_size()
     total = b * (k + 1) * v * s + b * k * 4 + b * (k + 1) * 4 + b * 4 + b * 20
-    if case.mode in ("draft_probs", "top_k_top_p"):
+    if case.mode in DRAFT_PROBS_MODES:
         total += b * k * 4 + b * v * 4
     elif case.mode == "draft_logits":
         total += b * k * v * s
+    total += {"min_p": b * 4, "bitmask": b * (k + 1) * -(-v // 32) * 4,
+              "logprobs": b * (k + 1) * 4, "logprobs_raw": b * (k + 1) * 4,
+              "packed": (b + 1) * 4}.get(case.mode, 0)
     return total
 
 
@@ -47,7 +64,8 @@ def _case(b, k, v, dtype, mode, skip=()):
 def cases(device: torch.device, preset: str) -> list[Case]:
     if preset == "quick":
         return [_case(b, 2, 1000, "fp32", m) for b in (1, 4) for m in ("onehot", "draft_probs")] + \
-               [_case(4, 2, 1000, "bf16", "greedy"), _case(4, 2, 1000, "bf16", "top_k_top_p")]
+               [_case(4, 2, 1000, "bf16", "greedy"), _case(4, 2, 1000, "bf16", "top_k_top_p")] + \
+               [_case(4, 2, 1000, "bf16", m) for m in DROPIN_MODES]
     if preset == "cpu":
         # A subset of the issue-2 sweep that the reference path gets through in a few minutes.
         out = [_case(b, 4, 32000, "bf16", m) for b in (1, 8, 64) for m in ("onehot", "draft_probs")]
@@ -67,6 +85,10 @@ def cases(device: torch.device, preset: str) -> list[Case]:
         out += [_case(64, 4, v, "fp32", "draft_probs", slow) for v in (32000, 128256, 151936)]
         out += [_case(64, k, 128256, "bf16", "draft_probs", slow) for k in (1, 8)]
         out += [_case(64, 4, 128256, "bf16", m, slow) for m in ("greedy", "draft_logits")]
+        # Issue 13: the drop-in modes against the plain draft_probs chain at B in {1, 16, 64, 256}.
+        out += [_case(b, 4, 128256, "bf16", m, slow)
+                for m in DROPIN_MODES for b in (1, 16, 64, 256)]
+        out += [_case(16, 4, 128256, "bf16", "draft_probs", slow)]
         return out
     # "gpu": the full issue-2 sweep.
     return [_case(b, k, v, dt, m, () if b <= 64 else ("reference",))
@@ -84,12 +106,21 @@ def make_inputs(case: Case, device: torch.device) -> dict:
               "offset": torch.zeros(b, dtype=torch.int64, device=device)}
     # A draft that agrees with the target often: target logits plus noise.
     draft_logits = target[:, :k].float() + torch.randn(b, k, v, generator=gen, device=device)
-    if case.mode in ("draft_probs", "top_k_top_p"):
+    if case.mode in DRAFT_PROBS_MODES:
         inputs["draft_probs"] = torch.softmax(draft_logits, dim=-1)
     elif case.mode == "draft_logits":
         inputs["draft_logits"] = draft_logits.to(torch_dtype(case.dtype))
     inputs["draft_token_ids"] = draft_logits.argmax(-1).to(torch.int32)
     del draft_logits
+    if case.mode == "bitmask":
+        inputs["token_bitmask"] = torch.randint(-2**31, 2**31 - 1, (b, k + 1, -(-v // 32)),
+                                                generator=gen, device=device, dtype=torch.int32)
+    if case.mode == "packed":  # every request with K drafts: the flattened rows, in vLLM's order
+        inputs["target_logits"] = target.reshape(b * (k + 1), v)
+        inputs["draft_token_ids"] = inputs["draft_token_ids"].reshape(b * k)
+        inputs["draft_probs"] = inputs["draft_probs"].reshape(b * k, v)
+        inputs["cu_num_draft_tokens"] = torch.arange(0, b * k + 1, k, dtype=torch.int32,
+                                                     device=device)
     return inputs
 
 
@@ -98,7 +129,9 @@ def _temperature(case: Case) -> float:
 
 
 def _filters(case: Case) -> dict:
-    return dict(top_k=50, top_p=0.9) if case.mode == "top_k_top_p" else {}
+    return {"top_k_top_p": dict(top_k=50, top_p=0.9), "min_p": dict(min_p=0.05),
+            "logprobs": dict(return_logprobs="processed"),
+            "logprobs_raw": dict(return_logprobs="raw")}.get(case.mode, {})
 
 
 def _ours(backend: str, case: Case):
@@ -106,11 +139,40 @@ def _ours(backend: str, case: Case):
     temperature = _temperature(case)
     filters = _filters(case)
 
+    if case.mode == "packed":
+        def run(x):
+            return sk.verify_chain_packed(
+                x["target_logits"], x["draft_token_ids"], x["cu_num_draft_tokens"],
+                max_draft_tokens=case.params["K"], draft_probs=x["draft_probs"],
+                temperature=temperature, seed=x["seed"], offset=x["offset"], backend=backend,
+                validate=False)
+        return run
+
     def run(x):
         return sk.verify_chain(x["target_logits"], x["draft_token_ids"],
                                draft_probs=x.get("draft_probs"), draft_logits=x.get("draft_logits"),
                                temperature=temperature, seed=x["seed"], offset=x["offset"],
-                               backend=backend, validate=False, **filters)
+                               token_bitmask=x.get("token_bitmask"), backend=backend,
+                               validate=False, **filters)
+    return run
+
+
+def _pad_then_verify(backend: str, case: Case):
+    """What an engine pays today: gather the packed rows into ``[B, K+1, V]`` (a copy of the
+    logits, from offsets computed on the device), then ``verify_chain``."""
+    import specdec_kernels as sk  # noqa: PLC0415
+    from specdec_kernels.chain import packed_layout  # noqa: PLC0415
+    k = case.params["K"]
+
+    def run(x):
+        layout = packed_layout(x["cu_num_draft_tokens"], x["draft_token_ids"].shape[0], k)
+        draft_rows = layout.draft_rows.clamp(max=max(layout.num_packed - 1, 0))
+        return sk.verify_chain(x["target_logits"][layout.target_rows],
+                               x["draft_token_ids"][draft_rows],
+                               draft_probs=x["draft_probs"][draft_rows],
+                               num_draft_tokens=layout.num_draft_tokens,
+                               temperature=_temperature(case), seed=x["seed"],
+                               offset=x["offset"], backend=backend, validate=False)
     return run
 
 
@@ -160,10 +222,19 @@ def implementations(case: Case, device: torch.device) -> list:
     ok, why = triton_backend_available(device, "chain")
     impls.append(Impl("triton", _ours("triton", case), graphable=True) if ok
                  else Skip("triton", why, kind="ours"))
-    if ok:
+    if ok and case.mode not in DROPIN_MODES:
         impls += _triton_parts(case, temperature)
     impls.append(Impl("reference", _ours("reference", case),
                       note="Philox noise over [B, V] in int64 torch ops"))
+    if case.mode == "packed":
+        if ok:
+            impls.append(Impl("pad+triton", _pad_then_verify("triton", case), kind="baseline",
+                              graphable=True, note="gather to [B, K+1, V], then verify_chain"))
+        return impls + [Impl("pad+reference", _pad_then_verify("reference", case),
+                             kind="baseline", note="gather to [B, K+1, V], then the reference")]
+    if case.mode in DROPIN_MODES:
+        return impls + [Skip(name, "feature not in this baseline (compare with mode draft_probs)")
+                        for name in ("torch_unfused", "vllm_style", "flashinfer")]
     if case.mode == "top_k_top_p":
         return impls + [Skip(name, "no top-k/top-p in this baseline")
                         for name in ("torch_unfused", "vllm_style", "flashinfer")]

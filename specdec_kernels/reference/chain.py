@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from .. import _rng
-from .sampling import processed_probs, race
+from .sampling import processed_probs, race, token_logprobs
 
 
 def chain_outcome(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tensor,
@@ -47,19 +47,25 @@ def chain_outcome(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tens
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  draft_probs: Optional[torch.Tensor], draft_logits: Optional[torch.Tensor],
                  num_draft_tokens: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor):
-    """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32)``.
+                 top_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                 min_p: Optional[torch.Tensor] = None,
+                 token_bitmask: Optional[torch.Tensor] = None,
+                 return_logprobs: Optional[str] = None):
+    """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32, logprobs)``,
+    ``logprobs`` float32 ``[B, K+1]`` when ``return_logprobs`` is set, else None.
 
     All per-request arguments are ``[B]`` tensors (parsed by the public layer). Out-of-range
     draft ids and ``num_draft_tokens`` outside ``0..K`` (possible with ``validate=False``) are
-    treated as rejected drafts and clamped, never read.
+    treated as rejected drafts and clamped, never read. ``token_bitmask`` ``[B, K+1, W]``
+    applies to the target rows only; ``min_p`` to the target and the draft logits.
     """
     batch, rows, vocab = target_logits.shape
     num_drafts = rows - 1
     device = target_logits.device
-    p = processed_probs(target_logits, temperature, top_k, top_p)  # [B, K+1, V]
+    p = processed_probs(target_logits, temperature, top_k, top_p, min_p,
+                        token_bitmask)  # [B, K+1, V]
     if draft_logits is not None:
-        q = processed_probs(draft_logits, temperature, top_k, top_p)
+        q = processed_probs(draft_logits, temperature, top_k, top_p, min_p)
     elif draft_probs is not None:
         q = draft_probs.to(p.dtype)
     else:
@@ -77,4 +83,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     out = torch.full((batch, rows), -1, dtype=torch.int32, device=device)
     out[:, :num_drafts] = torch.where(position < num_accepted[:, None], drafts, -1).to(torch.int32)
     out.scatter_(1, num_accepted[:, None], final_token[:, None])
-    return out, num_accepted.to(torch.int32)
+    logprobs = None
+    if return_logprobs is not None:  # chain: output position j was emitted at row j
+        logprobs = token_logprobs(target_logits, p, torch.arange(rows, device=device).expand(
+            batch, rows), out, temperature == 0, return_logprobs)
+    return out, num_accepted.to(torch.int32), logprobs

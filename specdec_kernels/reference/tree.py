@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _rng
-from .sampling import processed_probs, race
+from .sampling import processed_probs, race, token_logprobs
 
 DRAFT_SAMPLING = ("iid", "without_replacement")
 
@@ -185,14 +185,18 @@ def assemble(tree_token_ids: torch.Tensor, accepted_nodes: torch.Tensor,
 def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, parents: torch.Tensor,
                 draft_probs: Optional[torch.Tensor], draft_sampling: str, num_nodes: torch.Tensor,
                 temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                seed: torch.Tensor, offset: torch.Tensor):
+                seed: torch.Tensor, offset: torch.Tensor, min_p: Optional[torch.Tensor] = None,
+                token_bitmask: Optional[torch.Tensor] = None,
+                return_logprobs: Optional[str] = None):
     """Returns ``(output_token_ids [B, N] int32, accepted_nodes [B, N] int32,
-    num_accepted [B] int32)``. Per-request arguments are ``[B]`` tensors (parsed by the public
-    layer). Computation is in float32 (float64 for float64 logits, which the exactness tests
-    use)."""
+    num_accepted [B] int32, logprobs)``, ``logprobs`` float32 ``[B, N]`` when
+    ``return_logprobs`` is set, else None. Per-request arguments are ``[B]`` tensors (parsed
+    by the public layer); ``token_bitmask`` ``[B, N, W]``. Computation is in float32 (float64
+    for float64 logits, which the exactness tests use)."""
     batch, nodes, vocab = target_logits.shape
     device = target_logits.device
-    p = processed_probs(target_logits, temperature, top_k, top_p)  # [B, N, V]
+    p = processed_probs(target_logits, temperature, top_k, top_p, min_p,
+                        token_bitmask)  # [B, N, V]
     q = None if draft_probs is None else draft_probs.to(p.dtype)
     node = torch.arange(nodes, device=device)
     # ACCEPT position = the node tested; a chain's draft j is node j.
@@ -202,4 +206,12 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     # RESAMPLE position = the node whose row the final token is drawn from.
     current = walk.accepted_nodes.gather(1, walk.num_accepted[:, None])[:, 0]
     final_token = race(walk.final_weights, seed, offset, current, _rng.PURPOSE_RESAMPLE)
-    return assemble(tree_token_ids, walk.accepted_nodes, walk.num_accepted, final_token)
+    out, path, accepted = assemble(tree_token_ids, walk.accepted_nodes, walk.num_accepted,
+                                   final_token)
+    logprobs = None
+    if return_logprobs is not None:
+        # Output position m was emitted at accepted_nodes[m]: the parent row of the m-th
+        # accepted node, or the last accepted node's row for the final token.
+        logprobs = token_logprobs(target_logits, p, path.clamp(min=0), out, temperature == 0,
+                                  return_logprobs)
+    return out, path, accepted, logprobs
