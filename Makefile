@@ -1,11 +1,13 @@
 # The README's two commands: `make demo` and `make test`. Each sets up .venv, installs the
-# pinned dependencies, builds the extension (CUDA when nvcc is found), then runs.
-# Second runs reuse .venv and the build outputs.
+# pinned dependencies, builds the extension (CUDA when nvcc is found), installs the package
+# into .venv (editable: `.venv/bin/python -c "import specdec_kernels"` works from any
+# directory and sees this checkout), then runs. Second runs reuse .venv and the build outputs.
 PYTHON      ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
 DEPS_STAMP  := $(VENV)/.deps-stamp
 EXT_STAMP   := build/.ext-stamp
+INSTALL_STAMP := build/.install-stamp
 CUDA_HOME   ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
 export CUDA_HOME
 CSRC        := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
@@ -25,11 +27,18 @@ $(DEPS_STAMP): requirements.txt
 	$(PY) -m pip install -r requirements.txt
 	touch $@
 
-build: $(EXT_STAMP)
+build: $(INSTALL_STAMP)
 
 $(EXT_STAMP): $(DEPS_STAMP) setup.py $(CSRC)
 	MAX_JOBS=$(JOBS) $(PY) setup.py build_ext --inplace
 	mkdir -p build && touch $@
+
+# Editable install of this checkout into .venv, after the in-place build: the compiled
+# specdec_kernels/_C*.so is found in place, so pip builds no extension of its own
+# (SPECDEC_SKIP_EXTENSION, see setup.py) and nothing is compiled twice.
+$(INSTALL_STAMP): $(EXT_STAMP)
+	SPECDEC_SKIP_EXTENSION=1 $(PY) -m pip install --no-build-isolation --no-deps -q -e .
+	touch $@
 
 # The torch-free core and its C++ tests, plain and under AddressSanitizer.
 # (cmake, ctest and ninja come from .venv: requirements.txt pins them.)
@@ -50,4 +59,4 @@ bench: build
 	$(PY) -m bench
 
 clean:
-	rm -rf build specdec_kernels/*.so
+	rm -rf build specdec_kernels/*.so *.egg-info

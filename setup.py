@@ -6,8 +6,12 @@ The compiled extension ``specdec_kernels._C`` registers the ``torch.ops.specdec`
 dispatch registered (``SPECDEC_WITH_CUDA``); otherwise, or with ``SPECDEC_FORCE_CPU=1``, a
 CPU-only CppExtension.
 
-    MAX_JOBS=2 python setup.py build_ext --inplace
-    pip install -e . --no-build-isolation
+    MAX_JOBS=2 python setup.py build_ext --inplace     # the extension, in place
+    pip install . --no-build-isolation                  # into an environment (builds it)
+
+``make`` installs this checkout editable into .venv after the in-place build, with
+``SPECDEC_SKIP_EXTENSION=1``: the package then declares no extension (pip compiles nothing)
+and the in-place ``specdec_kernels/_C*.so`` is imported from the checkout.
 """
 from __future__ import annotations
 
@@ -78,7 +82,7 @@ setup(
     description="Fused kernels for speculative-decoding verification",
     packages=find_packages(include=["specdec_kernels", "specdec_kernels.*"]),
     python_requires=">=3.10",
-    ext_modules=[_extension()],
+    ext_modules=[] if os.environ.get("SPECDEC_SKIP_EXTENSION") == "1" else [_extension()],
     cmdclass={"build_ext": BuildExtension},
     zip_safe=False,
 )

@@ -1,8 +1,32 @@
+"""Setup shared by the tests: where the Triton tests run, their dtypes and skip mark, the
+backends the API tests cover, the mismatch bound, and small helpers."""
 import importlib
 import os
 
 import pytest
 import torch
+
+from specdec_kernels import _extension
+
+# The Triton tests run on CUDA tensors when a GPU is present (and TRITON_INTERPRET is not
+# set), else on CPU tensors in Triton's interpreter, as CI runs them.
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the logits dtypes of the kernels
+needs_triton = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+# The compiled extension's tests (tree attention, the KV cache): its backend where
+# specdec_kernels._C is built.
+needs_extension = pytest.mark.skipif(
+    not _extension.HAS_EXTENSION, reason=f"specdec_kernels._C not built: {_extension.IMPORT_ERROR}")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+EXTENSION_BACKENDS = ["reference", pytest.param("extension", marks=needs_extension)]
+
+# Kernels and reference may differ only at decisions within float rounding of a threshold:
+# the measured share of differing tokens (sample) or requests (chain, tree) stays at most this.
+MAX_MISMATCH_RATE = 0.01
 
 
 def _triton_param(module: str):
@@ -18,14 +42,6 @@ def _triton_param(module: str):
         return pytest.param("triton", marks=pytest.mark.skip(reason=f"{module}: {err}"))
 
 
-def _extension_param():
-    from specdec_kernels import _extension
-    return pytest.param("extension", marks=pytest.mark.skipif(
-        not _extension.HAS_EXTENSION, reason=f"specdec_kernels._C not built: "
-                                             f"{_extension.IMPORT_ERROR}"))
-
-
-EXTENSION_BACKENDS = ["reference", _extension_param()]  # tree attention and the KV cache
 CHAIN_BACKENDS = ["reference", _triton_param("specdec_kernels.triton.chain")]
 SAMPLE_BACKENDS = ["reference", _triton_param("specdec_kernels.triton.sampling")]
 

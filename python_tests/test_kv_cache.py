@@ -8,13 +8,11 @@ import pytest
 import torch
 
 import specdec_kernels
-from specdec_kernels import _extension, compact_kv_cache, compact_paged_kv_cache
+from specdec_kernels import _backend, compact_kv_cache, compact_paged_kv_cache
 from specdec_kernels.reference import kv_cache as reference
+from conftest import EXTENSION_BACKENDS, needs_cuda, needs_extension
 
-needs_extension = pytest.mark.skipif(
-    not _extension.HAS_EXTENSION, reason=f"specdec_kernels._C not built: {_extension.IMPORT_ERROR}")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-BACKENDS = ["reference", pytest.param("extension", marks=needs_extension)]
+BACKENDS = EXTENSION_BACKENDS
 SIZES = [1, 7, 32, 33, 64, 100]
 LAYOUTS = ["bshd", "bhsd", "paged"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -273,7 +271,7 @@ def test_extension_many_layers_and_threads():
 @needs_extension
 def test_auto_uses_extension_on_cpu():
     for op in ("compact_kv_cache", "compact_paged_kv_cache"):
-        assert _extension.use_extension(op, "auto", torch.device("cpu"))
+        assert _backend.use_extension(op, "auto", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

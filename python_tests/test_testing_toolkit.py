@@ -33,6 +33,7 @@ from specdec_kernels.testing import _laws, planted
 from specdec_kernels.testing.__main__ import main as cli
 from specdec_kernels.testing._laws import SamplingSetting
 from specdec_kernels.testing.chain import ChainInstance
+from conftest import DEVICE
 
 CHAIN_REF = functools.partial(sk.verify_chain, backend="reference")
 TREE_REF = functools.partial(sk.verify_tree, backend="reference")
@@ -41,7 +42,6 @@ CHAIN_METHODS = ("token", "block") if "method" in inspect.signature(sk.verify_ch
     else ("token",)
 CHEAP = dict(tv=0.1, power=0.9)  # trials sized for TV >= 0.1: a few thousand per configuration
 TRITON = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 @pytest.fixture(autouse=True)

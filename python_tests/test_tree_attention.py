@@ -6,13 +6,11 @@ import torch
 
 import specdec_kernels
 from specdec_kernels import TreeAttention, build_tree_attention
-from specdec_kernels import _extension
+from specdec_kernels import _backend
 from specdec_kernels.reference import tree_attention as reference
+from conftest import EXTENSION_BACKENDS, needs_cuda, needs_extension
 
-needs_extension = pytest.mark.skipif(
-    not _extension.HAS_EXTENSION, reason=f"specdec_kernels._C not built: {_extension.IMPORT_ERROR}")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-BACKENDS = ["reference", pytest.param("extension", marks=needs_extension)]
+BACKENDS = EXTENSION_BACKENDS
 SIZES = [1, 7, 32, 33, 64, 100]
 
 
@@ -129,7 +127,7 @@ def test_extension_matches_reference(n, index_dtype, ragged):
 
 @needs_extension
 def test_auto_uses_extension_on_cpu():
-    assert _extension.use_extension("build_tree_attention", "auto", torch.device("cpu"))
+    assert _backend.use_extension("build_tree_attention", "auto", torch.device("cpu"))
 
 
 @needs_extension
@@ -250,7 +248,7 @@ def test_torch_compile_fullgraph(backend):
 @pytest.mark.parametrize("n", SIZES + [1000])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_cuda_extension_matches_reference(n, index_dtype):
-    assert _extension.use_extension("build_tree_attention", "auto", torch.device("cuda"))
+    assert _backend.use_extension("build_tree_attention", "auto", torch.device("cuda"))
     parents, num_nodes, prefix_lens = random_trees(6, n, seed=200 + n, index_dtype=index_dtype)
     got = build_tree_attention(parents.cuda(), num_nodes=num_nodes.cuda(),
                                prefix_lens=prefix_lens.cuda(), backend="extension")

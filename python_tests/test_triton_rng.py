@@ -1,17 +1,13 @@
 """The Triton Philox-4x32-10 stream equals ``specdec_kernels._rng`` bit for bit."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from specdec_kernels import _rng
+from conftest import DEVICE, needs_triton
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+pytestmark = needs_triton
 
 
 def _counters(n=4096, seed=0):

@@ -3,26 +3,18 @@ tensors, as CI runs them; on CUDA tensors when a GPU is present).
 
 Decisions may differ only within floating-point rounding of their threshold (the kernels sum
 in a different order, and exp/log may differ in the last ulp): the mismatch rate over
-requests is printed and bounded by MAX_MISMATCH_RATE.
+requests is printed and bounded by MAX_MISMATCH_RATE (conftest).
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 import specdec_kernels as sk
-from conftest import spy_launches
+from conftest import DEVICE, DTYPES, MAX_MISMATCH_RATE, needs_triton, spy_launches
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
-
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-MAX_MISMATCH_RATE = 0.02
+pytestmark = needs_triton
 MODES = ["deterministic", "iid", "without_replacement"]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def random_trees(batch: int, nodes: int, vocab: int, mode: str, seed: int):

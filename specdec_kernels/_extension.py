@@ -1,4 +1,5 @@
-"""The compiled extension ``specdec_kernels._C`` (csrc/): loading it and its fake kernels.
+"""The compiled extension ``specdec_kernels._C`` (csrc/): loading it, which ops it has a
+kernel for, and their fake kernels (the choice of backend is ``_backend.use_extension``).
 
 Importing ``_C`` registers ``torch.ops.specdec.{build_tree_attention, compact_kv_cache,
 compact_paged_kv_cache}`` with CPU and (when built with nvcc) CUDA kernels. The fake kernels
@@ -10,7 +11,6 @@ from __future__ import annotations
 import torch
 
 OPS = ("build_tree_attention", "compact_kv_cache", "compact_paged_kv_cache")
-BACKENDS = ("auto", "reference", "extension")
 
 try:
     from . import _C  # noqa: F401  (registers the ops)
@@ -27,24 +27,6 @@ KERNELS: dict[tuple[str, str], bool] = {
         f"specdec::{op}", dispatch_key)
     for op in OPS for device_type, dispatch_key in (("cpu", "CPU"), ("cuda", "CUDA"))
 }
-
-
-def use_extension(op: str, backend: str, device: torch.device) -> bool:
-    """Whether ``backend`` runs ``op`` on ``device`` with the extension (else the reference).
-
-    ``"auto"``: the extension when it has a kernel for the device, else the reference.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
-        return False
-    available = KERNELS.get((op, device.type), False)
-    if backend == "extension" and not available:
-        why = (f"specdec_kernels._C is not built ({IMPORT_ERROR})" if not HAS_EXTENSION else
-               f"specdec_kernels._C has no {device.type} kernel for {op}")
-        raise ValueError(f"backend: 'extension' needs the compiled op for tensors on {device}; "
-                         f"{why}")
-    return available
 
 
 if HAS_EXTENSION:

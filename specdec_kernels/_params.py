@@ -2,15 +2,20 @@
 
 Errors name the argument, what was expected and what was given. Checks of shapes, dtypes,
 devices and Python-number values never synchronise and always run; checks of tensor values
-(ids, ranges) read only small tensors and run only when ``validate=True`` (contract section 7:
-``validate=False`` skips the checks that need a device synchronisation).
+(ids, ranges) read only small tensors and run only when ``validate=True`` (``validate=False``
+skips the checks that need a device synchronisation).
+
+Device policy (every op): each tensor argument must be on the device of the op's main
+tensor (the logits, ``parents`` or the caches). One on another device is a ``ValueError``
+naming it; nothing is copied across devices behind the caller's back (a copy would
+synchronise, and fail under CUDA-graph capture).
 """
 from __future__ import annotations
 
 import math
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -34,15 +39,6 @@ def check_tensor(x, name: str, *, ndim: Optional[int] = None,
     if device is not None and x.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {x.device}")
     return x
-
-
-def to_device(x: torch.Tensor, name: str, device: torch.device, owner: str) -> torch.Tensor:
-    """A small index tensor moved to ``device`` (``owner`` names whose device it is); one on
-    a device that holds no data (meta) is a ValueError naming it."""
-    if x.device != device and (x.device.type == "meta" or device.type == "meta"):
-        raise ValueError(f"{name}: expected a tensor on {device} ({owner}), got one on "
-                         f"{x.device}")
-    return x.to(device)
 
 
 def check_verify_logits(logits, name: str, rows: str) -> tuple[int, int, int]:
@@ -73,15 +69,13 @@ def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
 
     Accepts None (the default), a Python scalar (broadcast, as ``dtype``), or a 0-D /
     ``[batch]`` tensor on ``device`` (converted to ``dtype``, except that an int64 tensor asked
-    for as int32 stays int64: the caller checks its values, then narrows it). No
-    synchronisation.
+    for as int32 stays int64: the caller checks its values, then narrows it). A tensor on
+    another device is a ``ValueError`` (the module's device policy). No synchronisation.
     """
     if value is None:
         value = default
     if isinstance(value, torch.Tensor):
-        if value.device != device:
-            raise ValueError(f"{name}: expected a tensor on {device} (the logits' device), "
-                             f"got one on {value.device}")
+        check_tensor(value, name, device=device)
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{name}: expected a real-valued tensor, got dtype {value.dtype}")
         if dtype.is_floating_point is False and value.is_floating_point():
@@ -151,6 +145,60 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
 
 def _any(mask: torch.Tensor) -> bool:
     return bool(mask.any().item())
+
+
+def first_true(mask: torch.Tensor) -> int:
+    """Index of the first True of a 1-D bool tensor (a synchronisation: error paths only)."""
+    return int(mask.nonzero()[0, 0].item())
+
+
+# A value check: (bad, raise_error): a bool tensor, True where a request fails, and what
+# raises its error (naming the first failing request).
+Check = tuple[torch.Tensor, Callable[[], None]]
+
+
+def raise_first_failure(checks: Sequence[Check]) -> None:
+    """Value checks in one synchronisation: calls the ``raise_error`` of the first check whose
+    ``bad`` tensor holds a True (each builds its message, naming the first bad request)."""
+    failed = torch.stack([bad.any() for bad, _ in checks]).tolist()
+    for (_, raise_error), bad in zip(checks, failed):
+        if bad:
+            raise_error()
+
+
+def tree_checks(parents: torch.Tensor, num_nodes: Optional[torch.Tensor]) -> list[Check]:
+    """The checks of a batch of trees ``parents`` ``[B, N]`` with ``num_nodes`` (None: N),
+    for ``raise_first_failure``: ``num_nodes`` in ``[1, N]``, ``parents[b, 0] == -1`` and
+    ``0 <= parents[b, i] < i`` for every real node ``i >= 1`` (padding parents are not read).
+    No synchronisation."""
+    batch, nodes = parents.shape
+    index = torch.arange(nodes, device=parents.device)
+    count = (torch.full((batch,), nodes, dtype=torch.int64, device=parents.device)
+             if num_nodes is None else num_nodes.to(torch.int64))
+    parent = parents.to(torch.int64)
+    bad_count = (count < 1) | (count > nodes)
+    bad_root = parent[:, 0] != -1
+    bad_edge = ((parent < 0) | (parent >= index)) & (index > 0) & (index < count[:, None])
+
+    def count_error():
+        b = first_true(bad_count)
+        raise ValueError(f"num_nodes: expected values in [1, {nodes}] (N, the root counts), "
+                         f"got {count[b].item()} for request {b}")
+
+    def root_error():
+        b = first_true(bad_root)
+        raise ValueError(f"parents: expected parents[b, 0] == -1 (node 0 is the root), got "
+                         f"{parent[b, 0].item()} for request {b}")
+
+    def edge_error():
+        b = first_true(bad_edge.any(1))
+        i = first_true(bad_edge[b])
+        value = parent[b, i].item()
+        kind = "a cycle or forward edge" if value >= i else "a node without a parent"
+        raise ValueError(f"parents: not a tree: expected 0 <= parents[b, i] < i for every real "
+                         f"node i >= 1 (i < num_nodes[b]; parents before children), got "
+                         f"parents[{b}, {i}] = {value} ({kind})")
+    return [(bad_count, count_error), (bad_root, root_error), (bad_edge, edge_error)]
 
 
 @dataclass(frozen=True)

@@ -320,15 +320,21 @@ def _check_packed_values(draft_token_ids: torch.Tensor, cu: torch.Tensor, max_dr
 
 def _check_chain_values(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
                         num_drafts: int, vocab: int) -> None:
-    bad = (num_draft_tokens < 0) | (num_draft_tokens > num_drafts)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0, 0])
-        raise ValueError(f"num_draft_tokens: expected values in 0..{num_drafts} (K), "
-                         f"got {int(num_draft_tokens[b])} for request {b}")
+    """``num_draft_tokens`` in ``0..K`` and the live drafts' ids in ``[0, V)``, in one
+    synchronisation."""
+    bad_count = (num_draft_tokens < 0) | (num_draft_tokens > num_drafts)
     live = torch.arange(num_drafts, device=num_draft_tokens.device) < num_draft_tokens[:, None]
     out_of_range = live & ((draft_token_ids < 0) | (draft_token_ids >= vocab))
-    if bool(out_of_range.any()):
-        b, j = (int(i) for i in out_of_range.nonzero()[0])
+
+    def count_error():
+        b = _params.first_true(bad_count)
+        raise ValueError(f"num_draft_tokens: expected values in 0..{num_drafts} (K), "
+                         f"got {int(num_draft_tokens[b])} for request {b}")
+
+    def ids_error():
+        b = _params.first_true(out_of_range.any(1))
+        j = _params.first_true(out_of_range[b])
         raise ValueError(f"draft_token_ids: expected ids in [0, {vocab}) for the first "
                          f"num_draft_tokens[b] entries, got {int(draft_token_ids[b, j])} "
                          f"at [{b}, {j}]")
+    _params.raise_first_failure([(bad_count, count_error), (out_of_range, ids_error)])

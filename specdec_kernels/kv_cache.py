@@ -12,8 +12,8 @@ from typing import Sequence, Union
 
 import torch
 
-from . import _extension
-from ._params import INDEX_DTYPES, check_tensor, to_device
+from . import _backend, _params
+from ._params import INDEX_DTYPES, check_tensor
 from .reference import kv_cache as _reference
 
 __all__ = ["compact_kv_cache", "compact_paged_kv_cache"]
@@ -141,20 +141,14 @@ def _check_indices(kv_lens, accepted_nodes, num_accepted, device: torch.device):
     if nodes < 1:
         raise ValueError(f"accepted_nodes: expected [B, N] with N >= 1 (the root), got shape "
                          f"{list(accepted_nodes.shape)}")
-    check_tensor(kv_lens, "kv_lens", ndim=1, dtypes=INDEX_DTYPES)
-    check_tensor(num_accepted, "num_accepted", ndim=1, dtypes=INDEX_DTYPES)
+    check_tensor(accepted_nodes, "accepted_nodes", device=device)
+    check_tensor(kv_lens, "kv_lens", ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_tensor(num_accepted, "num_accepted", ndim=1, dtypes=INDEX_DTYPES, device=device)
     for name, tensor in (("kv_lens", kv_lens), ("num_accepted", num_accepted)):
         if tensor.shape[0] != batch:
             raise ValueError(f"{name}: expected shape [{batch}] (B = accepted_nodes.shape[0]), "
                              f"got {list(tensor.shape)}")
-    # The small index tensors follow the caches (the new lengths come back on their device).
-    return tuple(to_device(tensor, name, device, "the caches' device").contiguous()
-                 for name, tensor in (("kv_lens", kv_lens), ("accepted_nodes", accepted_nodes),
-                                      ("num_accepted", num_accepted)))
-
-
-def _first(bad: torch.Tensor) -> int:
-    return int(bad.nonzero()[0, 0].item())
+    return kv_lens.contiguous(), accepted_nodes.contiguous(), num_accepted.contiguous()
 
 
 def _validate(kv_lens, accepted_nodes, num_accepted, *, seq_len=None, block_tables=None,
@@ -196,7 +190,7 @@ def _validate(kv_lens, accepted_nodes, num_accepted, *, seq_len=None, block_tabl
     failed = torch.stack([c.any() for c in checks]).tolist()
     if not any(failed):
         return
-    b = _first(checks[failed.index(True)])
+    b = _params.first_true(checks[failed.index(True)])
     path = nodes[b, :int(count[b].clamp(0, n - 1).item()) + 1].tolist()
     which = failed.index(True)
     if which == 0:
@@ -222,7 +216,7 @@ def _validate(kv_lens, accepted_nodes, num_accepted, *, seq_len=None, block_tabl
     column = (torch.arange(block_tables.shape[1], device=device) >= start[b] // block_size) & (
         torch.arange(block_tables.shape[1], device=device) <= end[b] // block_size)
     table = block_tables[b].to(torch.int64)
-    bad_column = _first(column & ((table < 0) | (table >= num_blocks)))
+    bad_column = _params.first_true(column & ((table < 0) | (table >= num_blocks)))
     raise ValueError(f"block_tables: expected block ids in [0, {num_blocks}) (the pool), got "
                      f"block_tables[{b}, {bad_column}] = {table[bad_column].item()}, which holds "
                      f"positions of request {b}'s accepted path")
@@ -262,10 +256,11 @@ def compact_kv_cache(caches: Caches, kv_lens: torch.Tensor, accepted_nodes: torc
 
     Raises:
         TypeError: caches not tensors, index tensors not int32/int64.
-        ValueError: shapes, dtypes or strides that disagree, an unknown ``layout``, and with
-            ``validate=True``: ``num_accepted`` outside ``[0, N - 1]``, a path not starting at
-            node 0 or not strictly increasing, a path or new length past the cache. Nothing is
-            written when it raises.
+        ValueError: shapes, dtypes or strides that disagree, an index tensor on another
+            device than the caches (nothing is copied across devices), an unknown ``layout``,
+            and with ``validate=True``: ``num_accepted`` outside ``[0, N - 1]``, a path not
+            starting at node 0 or not strictly increasing, a path or new length past the cache.
+            Nothing is written when it raises.
 
     Example:
         >>> import torch
@@ -291,7 +286,7 @@ def compact_kv_cache(caches: Caches, kv_lens: torch.Tensor, accepted_nodes: torc
     seq_len = caches[0].shape[1 if layout == "bshd" else 2]
     if validate:
         _validate(kv_lens, accepted_nodes, num_accepted, seq_len=seq_len)
-    if _extension.use_extension("compact_kv_cache", backend, device):
+    if _backend.use_extension("compact_kv_cache", backend, device):
         return torch.ops.specdec.compact_kv_cache(caches, kv_lens, accepted_nodes, num_accepted,
                                                   layout)
     return _reference.compact_kv_cache(caches, kv_lens, accepted_nodes, num_accepted,
@@ -342,22 +337,21 @@ def compact_paged_kv_cache(caches: Caches, block_tables: torch.Tensor, kv_lens: 
     """
     caches = _check_caches(caches, paged=True, layout="paged")
     device = caches[0].device
-    check_tensor(block_tables, "block_tables", ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor(block_tables, "block_tables", ndim=2, dtypes=INDEX_DTYPES, device=device)
     kv_lens, accepted_nodes, num_accepted = _check_indices(kv_lens, accepted_nodes, num_accepted,
                                                            device)
     batch = accepted_nodes.shape[0]
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables: expected {batch} rows (B = accepted_nodes.shape[0]), got "
                          f"shape {list(block_tables.shape)}")
-    block_tables = to_device(block_tables, "block_tables", device,
-                             "the caches' device").contiguous()
+    block_tables = block_tables.contiguous()
     num_blocks, block_size = caches[0].shape[:2]
     if block_size < 1:
         raise ValueError(f"caches: expected block_size >= 1, got shape {list(caches[0].shape)}")
     if validate:
         _validate(kv_lens, accepted_nodes, num_accepted, block_tables=block_tables,
                   block_size=block_size, num_blocks=num_blocks)
-    if _extension.use_extension("compact_paged_kv_cache", backend, device):
+    if _backend.use_extension("compact_paged_kv_cache", backend, device):
         return torch.ops.specdec.compact_paged_kv_cache(caches, block_tables, kv_lens,
                                                         accepted_nodes, num_accepted)
     return _reference.compact_paged_kv_cache(caches, block_tables, kv_lens, accepted_nodes,

@@ -116,7 +116,7 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
                                      device=device, validate=validate, min_p=min_p)
     num_nodes = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
     if validate:
-        _check_tree_values(tree_token_ids, parents, num_nodes, nodes, vocab)
+        _check_tree_values(tree_token_ids, parents, num_nodes, vocab)
     num_nodes = _params.narrow_int32(num_nodes, 1, nodes)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
@@ -136,27 +136,18 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
 
 
 def _check_tree_values(tree_token_ids: torch.Tensor, parents: torch.Tensor,
-                       num_nodes: torch.Tensor, nodes: int, vocab: int) -> None:
-    bad = (num_nodes < 1) | (num_nodes > nodes)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0, 0])
-        raise ValueError(f"num_nodes: expected values in 1..{nodes} (N, the root counts), "
-                         f"got {int(num_nodes[b])} for request {b}")
-    par = parents.to(torch.int64)
-    if bool((par[:, 0] != -1).any()):
-        b = int((par[:, 0] != -1).nonzero()[0, 0])
-        raise ValueError(f"parents: expected -1 for the root (parents[b, 0]), "
-                         f"got {int(par[b, 0])} for request {b}")
-    index = torch.arange(nodes, device=par.device)
+                       num_nodes: torch.Tensor, vocab: int) -> None:
+    """The tree (``_params.tree_checks``) and the real non-root nodes' ids, in one
+    synchronisation."""
+    index = torch.arange(parents.shape[1], device=parents.device)
     live = (index < num_nodes[:, None]) & (index > 0)
-    not_tree = live & ((par < 0) | (par >= index))
-    if bool(not_tree.any()):
-        b, i = (int(x) for x in not_tree.nonzero()[0])
-        raise ValueError(f"parents: expected a tree, 0 <= parents[b, i] < i for the real nodes "
-                         f"(i < num_nodes[b]), got parents[{b}, {i}] = {int(par[b, i])}")
     ids = tree_token_ids.to(torch.int64)
     out_of_range = live & ((ids < 0) | (ids >= vocab))
-    if bool(out_of_range.any()):
-        b, i = (int(x) for x in out_of_range.nonzero()[0])
+
+    def ids_error():
+        b = _params.first_true(out_of_range.any(1))
+        i = _params.first_true(out_of_range[b])
         raise ValueError(f"tree_token_ids: expected ids in [0, {vocab}) for the real non-root "
                          f"nodes, got {int(ids[b, i])} at [{b}, {i}]")
+    _params.raise_first_failure(_params.tree_checks(parents, num_nodes)
+                                + [(out_of_range, ids_error)])

@@ -6,8 +6,8 @@ from typing import Optional, Union
 
 import torch
 
-from . import _extension
-from ._params import INDEX_DTYPES, check_tensor, to_device
+from . import _backend, _params
+from ._params import INDEX_DTYPES, check_tensor
 from .reference import tree_attention as _reference
 from .reference.tree_attention import TreeAttention
 
@@ -18,69 +18,38 @@ PerRequestInt = Union[int, torch.Tensor, None]
 
 def _per_request(value: PerRequestInt, name: str, batch: int, device: torch.device,
                  expected: str) -> Optional[torch.Tensor]:
-    """None, an int (broadcast) or a ``[batch]`` int tensor; moved to ``device``. ``expected``
-    says the valid values, for an int that does not even fit int64."""
+    """None (the op's default), or ``_params.per_request``'s ``[batch]`` tensor (an int32 or
+    int64 tensor keeps its dtype: the extension reads both). ``expected`` says the valid
+    values, for a Python int that does not even fit int64."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
         check_tensor(value, name, dtypes=INDEX_DTYPES)
-        if value.dim() == 0:
-            value = value.reshape(1).expand(batch)
-        if value.shape != (batch,):
-            raise ValueError(f"{name}: expected an int or a [{batch}] tensor (one per request), "
-                             f"got shape {list(value.shape)}")
-        return to_device(value, name, device, "parents' device").contiguous()
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int or an int tensor, got {type(value).__name__}")
-    if not -2**63 <= value < 2**63:
-        raise ValueError(f"{name}: expected {expected}, got {value}")
-    return torch.full((batch,), value, dtype=torch.int64, device=device)
-
-
-def _first(bad: torch.Tensor) -> int:
-    """Index of the first True of a 1-D bool tensor."""
-    return int(bad.nonzero()[0, 0].item())
+        dtype = value.dtype
+    else:
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+            raise ValueError(f"{name}: expected {expected}, got {value}")
+        dtype = torch.int64
+    return _params.per_request(value, name, batch, device, dtype, 0)
 
 
 def _validate(parents: torch.Tensor, num_nodes: Optional[torch.Tensor],
               prefix_lens: Optional[torch.Tensor]) -> None:
     """Value checks with one synchronisation; a failure raises naming the first bad request."""
-    batch, n = parents.shape
-    device = parents.device
-    nodes = torch.arange(n, device=device)
-    count = (torch.full((batch,), n, dtype=torch.int64, device=device)
-             if num_nodes is None else num_nodes.to(torch.int64))
-    parent = parents.to(torch.int64)
-    bad_count = (count < 1) | (count > n)
-    bad_root = parent[:, 0] != -1
-    bad_edge = (((parent < 0) | (parent >= nodes)) & (nodes > 0)
-                & (nodes[None, :] < count[:, None]))  # [B, N]
-    # position_ids = prefix_lens + depth, depth <= N - 1: it must fit int64.
-    prefix = None if prefix_lens is None else prefix_lens.to(torch.int64)
-    bad_prefix = (((prefix < 0) | (prefix > 2**63 - n)) if prefix is not None
-                  else torch.zeros(batch, dtype=torch.bool, device=device))
-    failed = torch.stack([bad_count.any(), bad_root.any(), bad_edge.any(),
-                          bad_prefix.any()]).tolist()
-    if failed[0]:
-        b = _first(bad_count)
-        raise ValueError(f"num_nodes: expected values in [1, {n}] (N), got {count[b].item()} "
-                         f"for request {b}")
-    if failed[1]:
-        b = _first(bad_root)
-        raise ValueError(f"parents: expected parents[b, 0] == -1 (node 0 is the root), got "
-                         f"{parent[b, 0].item()} for request {b}")
-    if failed[2]:
-        b = _first(bad_edge.any(1))
-        i = _first(bad_edge[b])
-        value = parent[b, i].item()
-        kind = "a cycle or forward edge" if value >= i else "a node without a parent"
-        raise ValueError(f"parents: not a tree: expected 0 <= parents[b, i] < i for every real "
-                         f"node i >= 1 (parents before children), got parents[{b}, {i}] = "
-                         f"{value} ({kind})")
-    if failed[3]:
-        b = _first(bad_prefix)
-        raise ValueError(f"prefix_lens: expected values in [0, 2**63 - {n}] (>= 0, position "
-                         f"ids fit int64), got {prefix_lens[b].item()} for request {b}")
+    checks = _params.tree_checks(parents, num_nodes)
+    if prefix_lens is not None:
+        # position_ids = prefix_lens + depth, depth <= N - 1: it must fit int64.
+        nodes = parents.shape[1]
+        prefix = prefix_lens.to(torch.int64)
+        bad_prefix = (prefix < 0) | (prefix > 2**63 - nodes)
+
+        def prefix_error():
+            b = _params.first_true(bad_prefix)
+            raise ValueError(f"prefix_lens: expected values in [0, 2**63 - {nodes}] (>= 0, "
+                             f"position ids fit int64), got {prefix_lens[b].item()} for "
+                             f"request {b}")
+        checks.append((bad_prefix, prefix_error))
+    _params.raise_first_failure(checks)
 
 
 def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = None,
@@ -96,10 +65,11 @@ def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = No
         parents: the parent of each node: ``parents[b, 0] == -1`` and
             ``0 <= parents[b, i] < i`` for real nodes; padding entries are ignored.
             Shape ``(batch_size, num_nodes)``; int32 or int64.
-        num_nodes: int or ``(batch_size,)`` int tensor in ``1..N``: nodes ``>= num_nodes[b]``
-            are padding. Default: every node is real.
-        prefix_lens: int or ``(batch_size,)`` int tensor in ``[0, 2**63 - N]`` (position ids
-            fit int64): committed tokens before the root (the root's position). Default 0.
+        num_nodes: int or ``(batch_size,)`` int tensor on ``parents``' device, in ``1..N``:
+            nodes ``>= num_nodes[b]`` are padding. Default: every node is real.
+        prefix_lens: int or ``(batch_size,)`` int tensor on ``parents``' device, in
+            ``[0, 2**63 - N]`` (position ids fit int64): committed tokens before the root (the
+            root's position). Default 0.
         backend: ``"auto"`` (the compiled extension when built, else the reference),
             ``"extension"`` or ``"reference"``.
         validate: check the values of ``parents``, ``num_nodes`` and ``prefix_lens`` (one
@@ -116,7 +86,8 @@ def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = No
 
     Raises:
         TypeError: an argument of the wrong type or integer dtype.
-        ValueError: wrong shapes, or (``validate=True``) parents that are not a tree in
+        ValueError: wrong shapes, a tensor on another device than ``parents`` (nothing is
+            copied across devices), or (``validate=True``) parents that are not a tree in
             topological order, ``num_nodes`` outside ``[1, N]``, ``prefix_lens`` outside
             ``[0, 2**63 - N]``; Python ints past int64 whatever ``validate`` says.
 
@@ -144,7 +115,7 @@ def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = No
                                f"values in [0, 2**63 - {n}] (position ids fit int64)")
     if validate:
         _validate(parents, num_nodes, prefix_lens)
-    if _extension.use_extension("build_tree_attention", backend, device):
+    if _backend.use_extension("build_tree_attention", backend, device):
         return TreeAttention(*torch.ops.specdec.build_tree_attention(
             parents.contiguous(), num_nodes, prefix_lens))
     return _reference.build_tree_attention(parents, num_nodes=num_nodes, prefix_lens=prefix_lens)
