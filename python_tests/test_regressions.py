@@ -162,7 +162,7 @@ def test_temperature_past_float32_sample_same_tokens(backend):
 
 @pytest.mark.xfail(strict=True, reason="the Triton top-p threshold is a logit value: where "
                    "exp collapses distinct logits to one probability (T >= ~1e8 in float32) it "
-                   "drops boundary ties of p that the contract keeps (triton/sampling.py)")
+                   "drops boundary ties of p that the contract keeps (triton/filters.py)")
 @pytest.mark.parametrize("backend", [p for p in SAMPLE_BACKENDS if p != "reference"])
 def test_top_p_keeps_ties_of_collapsed_probabilities(backend):
     logits = torch.randn(4, 13, generator=torch.Generator().manual_seed(6)) * 4

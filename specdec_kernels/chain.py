@@ -58,7 +58,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
         validate: check ids, lengths and parameter values (reads only those small tensors).
         token_bitmask: allowed tokens of each target row (a grammar's mask, xgrammar's
             layout): bit ``v % 32`` of word ``v // 32`` set = token ``v`` allowed.
-            Shape ``(batch_size, num_draft_tokens + 1, ceil(vocab_size / 32))``; int32.
+            Shape ``(batch_size, K + 1, ceil(vocab_size / 32))``; int32.
             Target rows only, never the draft distribution.
         return_logprobs: None, ``"processed"`` or ``"raw"``: also return the log-probability
             of each emitted token under the processed target row it was emitted at (row ``j``
@@ -71,7 +71,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
         drafts, then one correction or bonus token, then ``-1``.
         ``num_accepted``: Shape ``(batch_size,)``; int32; the request emits
         ``num_accepted + 1`` tokens.
-        ``logprobs``: Shape ``(batch_size, num_draft_tokens + 1)``; float32, NaN where the
+        ``logprobs``: Shape ``(batch_size, K + 1)``; float32, NaN where the
         token is ``-1``; None without ``return_logprobs``.
 
     >>> import torch, specdec_kernels as sk
@@ -216,14 +216,15 @@ def packed_layout(cu_num_draft_tokens: torch.Tensor, num_packed: int,
     cu = cu_num_draft_tokens.to(torch.int64)
     batch = cu.shape[0] - 1
     start = cu[:batch].clamp(0, num_packed)
-    n = torch.minimum((cu[1:] - cu[:batch]).clamp(0, max_draft_tokens), num_packed - start)
+    live_drafts = torch.minimum((cu[1:] - cu[:batch]).clamp(0, max_draft_tokens),
+                                num_packed - start)
     position = torch.arange(max_draft_tokens + 1, device=cu.device)
     request = torch.arange(batch, device=cu.device)
-    target_rows = (start + request)[:, None] + torch.minimum(position, n[:, None])
+    target_rows = (start + request)[:, None] + torch.minimum(position, live_drafts[:, None])
     draft_position = position[:max_draft_tokens]
-    draft_rows = torch.where(draft_position < n[:, None], start[:, None] + draft_position,
-                             num_packed)
-    return PackedLayout(target_rows, draft_rows, n.to(torch.int32), num_packed)
+    draft_rows = torch.where(draft_position < live_drafts[:, None],
+                             start[:, None] + draft_position, num_packed)
+    return PackedLayout(target_rows, draft_rows, live_drafts.to(torch.int32), num_packed)
 
 
 def check_method(method) -> None:
@@ -299,11 +300,11 @@ def _check_packed_values(draft_token_ids: torch.Tensor, cu: torch.Tensor, max_dr
     if int(cu[0]) != 0:
         raise ValueError(f"cu_num_draft_tokens: expected cu[0] = 0, got {int(cu[0])}")
     if bool((counts < 0).any()):
-        b = int((counts < 0).nonzero()[0, 0])
+        b = _params.first_true(counts < 0)
         raise ValueError(f"cu_num_draft_tokens: expected non-decreasing offsets, got "
                          f"cu[{b}] = {int(cu[b])} > cu[{b + 1}] = {int(cu[b + 1])}")
     if bool((counts > max_draft_tokens).any()):
-        b = int((counts > max_draft_tokens).nonzero()[0, 0])
+        b = _params.first_true(counts > max_draft_tokens)
         raise ValueError(f"cu_num_draft_tokens: expected at most max_draft_tokens = "
                          f"{max_draft_tokens} drafts per request, got {int(counts[b])} for "
                          f"request {b}")
@@ -313,7 +314,7 @@ def _check_packed_values(draft_token_ids: torch.Tensor, cu: torch.Tensor, max_dr
     ids = draft_token_ids.to(torch.int64)
     out_of_range = (ids < 0) | (ids >= vocab)
     if bool(out_of_range.any()):
-        t = int(out_of_range.nonzero()[0, 0])
+        t = _params.first_true(out_of_range)
         raise ValueError(f"draft_token_ids: expected ids in [0, {vocab}), got {int(ids[t])} "
                          f"at [{t}]")
 
