@@ -1,5 +1,6 @@
 """Setup shared by the tests: where the Triton tests run, their dtypes and skip mark, the
 backends the API tests cover, the mismatch bound, and small helpers."""
+import functools
 import importlib
 import os
 
@@ -68,3 +69,36 @@ def spy_launches(monkeypatch, module, name: str) -> list:
             return kernel[grid]
     monkeypatch.setattr(module, name, Spy())
     return launched
+
+
+SECTION_8_9_ARGS = ("min_p", "token_bitmask", "return_logprobs")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_refuses(op: str, device: str = "cpu") -> frozenset:
+    """The contract section 8-9 arguments that ``op``'s Triton backend refuses today
+    (``NotImplementedError``), found by one tiny call each: tests that compare Triton with
+    the reference draw only the others, and take the rest up once the kernels do."""
+    import specdec_kernels as sk
+    vocab, rows = 4, 2
+    logits = torch.zeros(1, rows, vocab, device=device)
+    calls = {"sample": lambda **kw: sk.sample(logits[:, 0], **kw),
+             "verify_chain": lambda **kw: sk.verify_chain(
+                 logits, torch.zeros(1, rows - 1, dtype=torch.int64, device=device), **kw),
+             "verify_chain_packed": lambda **kw: sk.verify_chain_packed(
+                 logits[0], torch.zeros(rows - 1, dtype=torch.int64, device=device),
+                 torch.tensor([0, rows - 1], device=device), max_draft_tokens=rows - 1, **kw),
+             "verify_tree": lambda **kw: sk.verify_tree(
+                 logits, torch.zeros(1, rows, dtype=torch.int64, device=device),
+                 torch.tensor([[-1, 0]], device=device), **kw)}
+    lead = {"sample": (1,), "verify_chain": (1, rows), "verify_chain_packed": (rows,),
+            "verify_tree": (1, rows)}[op]
+    values = {"min_p": 0.5, "return_logprobs": "processed",
+              "token_bitmask": torch.full(lead + (1,), -1, dtype=torch.int32, device=device)}
+    refused = set()
+    for name in SECTION_8_9_ARGS:
+        try:
+            calls[op](backend="triton", seed=0, **{name: values[name]})
+        except NotImplementedError:
+            refused.add(name)
+    return frozenset(refused)

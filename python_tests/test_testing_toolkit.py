@@ -8,7 +8,8 @@
 2. It certifies correct verifiers: our reference chain / tree / sampler in every draft mode
    and parameter (block too once ``verify_chain`` takes ``method``), the textbook token and
    block verifiers, our Triton kernels under the interpreter (tiny samples: the interpreter
-   runs ~0.2 s per request here), and engine-layout shims through the adapters.
+   runs ~0.2 s per request here), and our engine adapters through the toolkit's
+   engine-layout wrappers (vLLM's: ``verify_chain_packed``, min_p included).
 3. It fails each planted bug, at the test that should see it.
 4. A cheap calibration: a correct verifier passes over several seeds, a planted bug fails
    over several seeds (the full measurement is ``python -m specdec_kernels.testing.calibrate``,
@@ -27,13 +28,13 @@ import pytest
 import torch
 
 import specdec_kernels as sk
-from specdec_kernels import testing
+from specdec_kernels import adapters, testing
 from specdec_kernels.reference import sampling as ref_sampling
 from specdec_kernels.testing import _laws, planted
 from specdec_kernels.testing.__main__ import main as cli
 from specdec_kernels.testing._laws import SamplingSetting
 from specdec_kernels.testing.chain import ChainInstance
-from conftest import DEVICE
+from conftest import DEVICE, triton_refuses
 
 CHAIN_REF = functools.partial(sk.verify_chain, backend="reference")
 TREE_REF = functools.partial(sk.verify_tree, backend="reference")
@@ -274,62 +275,47 @@ def test_certifies_triton_kernels():
                                        draft_modes=("iid",), params=(), **small)
     sampler = testing.check_sampler(functools.partial(sk.sample, backend="triton"),
                                     params=("temperature",), **small)
-    for report in (chain, tree, sampler):
+    # verify_chain_packed through vLLM's layout; min_p once the kernels take it.
+    packed = testing.check_chain_verifier(
+        testing.from_vllm(functools.partial(adapters.vllm.rejection_sample, backend="triton")),
+        draft_modes=("probs",), params=tuple(
+            p for p in ("min_p",) if p not in triton_refuses("verify_chain_packed", DEVICE)),
+        **small)
+    for report in (chain, tree, sampler, packed):
         print(report)
         assert report.passed, report.table()
 
 
-def _vllm_style(logits, draft_token_ids, cu_num_draft_tokens, *, draft_probs=None, **kw):
-    """A vLLM-layout verifier built on ours (flattened rows, inclusive offsets)."""
-    batch = cu_num_draft_tokens.numel()
-    num_drafts = int(cu_num_draft_tokens[0])
-    vocab = logits.shape[-1]
-    q = None if draft_probs is None else draft_probs.reshape(batch, num_drafts, vocab)
-    return CHAIN_REF(logits.reshape(batch, num_drafts + 1, vocab),
-                     draft_token_ids.reshape(batch, num_drafts), draft_probs=q, **kw).output_token_ids
-
-
-def _flashinfer_style(draft_probs, draft_token_ids, target_probs, *, seed=None, offset=None):
-    """A FlashInfer-layout verifier built on ours: probabilities in, log(p) as logits."""
-    out = CHAIN_REF(target_probs.log(), draft_token_ids, draft_probs=draft_probs, seed=seed,
-                    offset=offset)
-    return out.output_token_ids, out.num_accepted
-
-
-def _sglang_style(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                  retrive_next_token, retrive_next_sibling, uniform_samples,
-                  uniform_samples_for_final_sampling, target_probs, draft_probs, **_):
-    """An SGLang-layout tree verifier built on ours (real draft probabilities, i.i.d.)."""
-    parents = testing.sglang_to_parents(retrive_next_token, retrive_next_sibling)
-    batch, nodes = candidates.shape
-    out = TREE_REF(target_probs.log(), candidates, parents, draft_probs=draft_probs,
-                   seed=torch.randint(0, 2 ** 62, (batch,)), offset=0)
-    path = out.accepted_nodes.long()
-    accept_index.copy_(torch.where(path >= 0, retrive_index.gather(1, path.clamp(min=0)), -1)
-                       [:, :accept_index.shape[1]].int())
-    accept_token_num.copy_(out.num_accepted)
-    last = path.gather(1, out.num_accepted.long()[:, None])[:, 0]
-    flat = retrive_index.gather(1, last[:, None])[:, 0]
-    predicts[flat] = out.output_token_ids.gather(1, out.num_accepted.long()[:, None])[:, 0]
-
-
 def test_adapters_certify_engine_layouts():
-    vllm = testing.check_chain_verifier(testing.from_vllm(_vllm_style), draft_modes=("probs", "one_hot"),
-                                        params=("temperature", "top_k"), **CHEAP)
-    flashinfer = testing.check_chain_verifier(testing.from_flashinfer(_flashinfer_style),
-                                              params=("top_p",), draft_modes=("probs", "logits"), **CHEAP)
-    sglang = testing.check_tree_verifier(testing.from_sglang(_sglang_style), seeded=False,
-                                         draft_modes=("iid",), params=("temperature",), **CHEAP)
+    """Our engine adapters through the toolkit's engine-layout wrappers: vLLM's step (our
+    verify_chain_packed on the flattened rows, min_p included), FlashInfer's and SGLang's
+    probabilities-in calls (SGLang's coins key our streams: unseeded)."""
+    vllm = testing.check_chain_verifier(
+        testing.from_vllm(functools.partial(adapters.vllm.rejection_sample, backend="reference")),
+        draft_modes=("probs", "one_hot"), params=("temperature", "top_k", "min_p"), **CHEAP)
+    flashinfer = testing.check_chain_verifier(
+        testing.from_flashinfer(functools.partial(adapters.flashinfer.chain_speculative_sampling,
+                                                  backend="reference")),
+        params=("top_p",), draft_modes=("probs", "logits"), **CHEAP)
+    sglang = testing.check_tree_verifier(
+        testing.from_sglang(functools.partial(
+            adapters.sglang.tree_speculative_sampling_target_only, backend="reference")),
+        seeded=False, draft_modes=("iid", "candidates"), params=("temperature",), **CHEAP)
     for report in (vllm, flashinfer, sglang):
+        print(report)
         assert report.passed, report.table()
 
 
-def test_sglang_linked_lists_round_trip():
-    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 0], [-1, 0, 1, 2, 3, 4, 5]])
-    next_token, next_sibling = testing.parents_to_sglang(parents)
-    assert next_token[0].tolist() == [1, 3, 5, -1, -1, -1, -1]
-    assert next_sibling[0].tolist() == [-1, 2, 6, 4, -1, -1, -1]
-    assert torch.equal(testing.sglang_to_parents(next_token, next_sibling), parents)
+def test_catches_vllm_layout_dropping_min_p():
+    """A vLLM step that loses min_p on the way to the kernels fails where min_p is set."""
+    def min_p_dropped(metadata, draft_probs, logits, sampling_metadata, **kw):
+        sampling_metadata.min_p = None
+        return adapters.vllm.rejection_sample(metadata, draft_probs, logits, sampling_metadata,
+                                              backend="reference", **kw)
+    bug = testing.check_chain_verifier(testing.from_vllm(min_p_dropped), draft_modes=("probs",),
+                                       params=("min_p",), **CHEAP)
+    assert not bug.passed and {r.config for r in bug.failures} == {"token probs min_p=0.2"}, \
+        bug.table()
 
 
 # --- 3. Planted bugs are caught ----------------------------------------------------------------

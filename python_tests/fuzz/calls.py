@@ -7,18 +7,20 @@ shapes and dtypes right, anything in the values).
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
 from hypothesis import strategies as st
 
 import specdec_kernels as sk
-from strategies import (CACHE_DTYPES, GARBAGE_SAMPLING, RNG_ARGS, SAMPLING_ARGS,
-                        TREE_ATTENTION_ARGS, Dims, accepted_paths, dims, garbage_index,
-                        guarded, logits, num_nodes_values, padding, parents, per_request,
-                        random_cache)
+from strategies import (CACHE_DTYPES, FLAG_ARGS, GARBAGE_SAMPLING, METHODS, RNG_ARGS,
+                        SAMPLING_ARGS, TREE_ATTENTION_ARGS, Dims, accepted_paths, dims,
+                        garbage_index, guarded, logits, num_nodes_values, padding, parents,
+                        per_request, random_cache, token_bitmask)
 
-VERIFY_OPS = ("processed_probs", "sample", "verify_chain", "verify_tree")
+VERIFY_OPS = ("processed_probs", "sample", "verify_chain", "verify_chain_packed", "verify_tree")
 KV_OPS = ("compact_kv_cache", "compact_paged_kv_cache")
 OPS = VERIFY_OPS + ("build_tree_attention",) + KV_OPS
 
@@ -44,16 +46,18 @@ class Call:
         return all(g.unchanged() for g in self.all_guards())
 
 
-def _draw_args(draw, table, d: Dims, kwargs: dict):
+def _draw_args(draw, table, d: Dims, kwargs: dict, exclude=()):
     for name, strategy in table.items():
+        if name in exclude:
+            continue
         value = draw(strategy(d))
         if value is not None:
             kwargs[name] = value
 
 
-def _draw_garbage_sampling(draw, d: Dims, kwargs: dict):
+def _draw_garbage_sampling(draw, d: Dims, kwargs: dict, exclude=()):
     for name, strategy in GARBAGE_SAMPLING.items():
-        if draw(st.booleans()):
+        if name not in exclude and draw(st.booleans()):
             kwargs[name] = draw(strategy(d))
 
 
@@ -74,12 +78,13 @@ def _probs(draw, shape, garbage: bool):
 
 @st.composite
 def draw_call(draw, op: str, *, garbage: bool = False, max_batch: int = 3, max_rows: int = 5,
-              max_vocab: int = 40) -> Call:
+              max_vocab: int = 40, exclude=frozenset()) -> Call:
+    """``exclude``: argument names never drawn (e.g. those a backend does not take yet)."""
     rows_low = 2 if op in KV_OPS else 1
     d = draw(dims(batch=(0, max_batch), rows=(rows_low, max_rows), vocab=(1, max_vocab)))
     call = Call(op, d, {})
     if op in VERIFY_OPS:
-        _verify_call(draw, call, garbage)
+        _verify_call(draw, call, garbage, exclude)
     elif op == "build_tree_attention":
         call.kwargs["parents"] = draw(parents(d.batch, d.rows, garbage=garbage))
         if garbage:
@@ -93,34 +98,32 @@ def draw_call(draw, op: str, *, garbage: bool = False, max_batch: int = 3, max_r
     return call
 
 
-def _verify_call(draw, call: Call, garbage: bool):
-    d, kw = call.dims, call.kwargs
+def _verify_call(draw, call: Call, garbage: bool, exclude=()):
+    d, kw, op = call.dims, call.kwargs, call.op
     if garbage:
-        _draw_garbage_sampling(draw, d, kw)
+        _draw_garbage_sampling(draw, d, kw, exclude)
     else:
-        _draw_args(draw, SAMPLING_ARGS, d, kw)
-    if call.op == "processed_probs":
+        _draw_args(draw, SAMPLING_ARGS, d, kw, exclude)
+    if op == "processed_probs":
         _guard(draw, call, "logits", draw(logits((d.batch, d.vocab), garbage=garbage)))
+        _draw_bitmask(draw, call, (d.batch,), exclude)
         return
     _draw_args(draw, RNG_ARGS, d, kw)
-    if call.op == "sample":
+    _draw_args(draw, FLAG_ARGS, d, kw, exclude)
+    if op == "sample":
         _guard(draw, call, "logits", draw(logits((d.batch, d.vocab), garbage=garbage)))
+        _draw_bitmask(draw, call, (d.batch,), exclude)
         return
-    _guard(draw, call, "target_logits", draw(logits((d.batch, d.rows, d.vocab),
-                                                    garbage=garbage)))
-    if call.op == "verify_chain":
+    method = draw(st.sampled_from(METHODS[op]))
+    if op == "verify_chain_packed":
+        _packed_chain_call(draw, call, garbage, exclude)
+    elif op == "verify_chain":
+        _guard(draw, call, "target_logits", draw(logits((d.batch, d.rows, d.vocab),
+                                                        garbage=garbage)))
+        _draw_bitmask(draw, call, (d.batch, d.rows), exclude)
         num_drafts = d.rows - 1
-        kw["draft_token_ids"] = (draw(garbage_index((d.batch, num_drafts))) if garbage else
-                                 torch.tensor(draw(st.lists(st.integers(0, d.vocab - 1),
-                                                            min_size=d.batch * num_drafts,
-                                                            max_size=d.batch * num_drafts)),
-                                              dtype=torch.int64).view(d.batch, num_drafts))
-        draft = draw(st.sampled_from(["none", "draft_probs", "draft_logits"]))
-        shape = (d.batch, num_drafts, d.vocab)
-        if draft == "draft_probs":
-            _guard(draw, call, "draft_probs", _probs(draw, shape, garbage))
-        elif draft == "draft_logits":
-            kw["draft_logits"] = draw(logits(shape, garbage=garbage))
+        kw["draft_token_ids"] = _draft_ids(draw, (d.batch, num_drafts), d.vocab, garbage)
+        _draw_drafts(draw, call, (d.batch, num_drafts, d.vocab), garbage)
         if garbage:
             if draw(st.booleans()):
                 kw["num_draft_tokens"] = draw(garbage_index((d.batch,)))
@@ -128,7 +131,60 @@ def _verify_call(draw, call: Call, garbage: bool):
             value = draw(per_request(d, st.integers(0, num_drafts), floating=False))
             if value is not None:
                 kw["num_draft_tokens"] = value
-        return
+    else:
+        _tree_call(draw, call, garbage, exclude)
+        if method == "traversal" and "draft_probs" not in kw:
+            method = "token"  # traversal needs the drafter's probabilities
+    if method != "token":
+        kw["method"] = method
+
+
+def _draw_bitmask(draw, call: Call, lead_shape, exclude):
+    if "token_bitmask" not in exclude and draw(st.booleans()):
+        _guard(draw, call, "token_bitmask", draw(token_bitmask(lead_shape, call.dims.vocab)))
+
+
+def _draft_ids(draw, shape, vocab: int, garbage: bool) -> torch.Tensor:
+    if garbage:
+        return draw(garbage_index(shape))
+    count = math.prod(shape)
+    return torch.tensor(draw(st.lists(st.integers(0, vocab - 1), min_size=count,
+                                      max_size=count)), dtype=torch.int64).view(shape)
+
+
+def _draw_drafts(draw, call: Call, shape, garbage: bool):
+    """None, draft_probs or draft_logits of ``shape``."""
+    draft = draw(st.sampled_from(["none", "draft_probs", "draft_logits"]))
+    if draft == "draft_probs":
+        _guard(draw, call, "draft_probs", _probs(draw, shape, garbage))
+    elif draft == "draft_logits":
+        call.kwargs["draft_logits"] = draw(logits(shape, garbage=garbage))
+
+
+def _packed_chain_call(draw, call: Call, garbage: bool, exclude):
+    """Contract section 10: request b's n_b draft rows then its bonus row; exclusive offsets
+    ``[B+1]``; ``max_draft_tokens`` K = rows - 1 (or more). Garbage offsets: anything."""
+    d, kw = call.dims, call.kwargs
+    max_drafts = d.rows - 1
+    counts = draw(st.lists(st.integers(0, max_drafts), min_size=d.batch, max_size=d.batch))
+    num_packed = sum(counts)
+    offsets = [0] + list(itertools.accumulate(counts))
+    index_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    kw["cu_num_draft_tokens"] = (draw(garbage_index((d.batch + 1,))) if garbage and
+                                 draw(st.booleans()) else torch.tensor(offsets, dtype=index_dtype))
+    kw["max_draft_tokens"] = max_drafts + draw(st.sampled_from([0, 0, 1]))
+    rows = num_packed + d.batch
+    _guard(draw, call, "target_logits", draw(logits((rows, d.vocab), garbage=garbage)))
+    _draw_bitmask(draw, call, (rows,), exclude)
+    kw["draft_token_ids"] = _draft_ids(draw, (num_packed,), d.vocab, garbage)
+    _draw_drafts(draw, call, (num_packed, d.vocab), garbage)
+
+
+def _tree_call(draw, call: Call, garbage: bool, exclude):
+    d, kw = call.dims, call.kwargs
+    _guard(draw, call, "target_logits", draw(logits((d.batch, d.rows, d.vocab),
+                                                    garbage=garbage)))
+    _draw_bitmask(draw, call, (d.batch, d.rows), exclude)
     kw["parents"] = draw(parents(d.batch, d.rows, garbage=garbage))
     kw["tree_token_ids"] = (draw(garbage_index((d.batch, d.rows))) if garbage else torch.tensor(
         draw(st.lists(st.integers(0, d.vocab - 1), min_size=d.batch * d.rows,

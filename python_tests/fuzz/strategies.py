@@ -102,12 +102,14 @@ SAMPLING_ARGS = {
     "temperature": _valid_temperature,
     "top_k": lambda d: per_request(d, st.integers(0, d.vocab + 2), floating=False),
     "top_p": lambda d: per_request(d, st.sampled_from([1.0]) | floats(0.05, 1.0), floating=True),
-    # e.g. once min_p lands: "min_p": lambda d: per_request(d, floats(0.0, 1.0), floating=True),
+    "min_p": lambda d: per_request(d, st.sampled_from([0.0, 1.0]) | floats(0.0, 1.0),
+                                   floating=True),
 }
 BAD_SAMPLING = {  # name -> (bad values, exception); any form (scalar or tensor)
     "temperature": (st.sampled_from([-1.0, -1e-50, math.inf, math.nan]), ValueError),
     "top_k": (st.sampled_from([-1, -2**40]), ValueError),
     "top_p": (st.sampled_from([0.0, -0.5, 1.5, 1 + 1e-12, math.nan]), ValueError),
+    "min_p": (st.sampled_from([-0.5, -1e-12, 1 + 1e-12, 2.0, math.inf, math.nan]), ValueError),
 }
 # Garbage for validate=False (tensors only: Python numbers are checked whatever validate says).
 GARBAGE_SAMPLING = {
@@ -117,7 +119,39 @@ GARBAGE_SAMPLING = {
                                 max_size=d.batch).map(lambda v: torch.tensor(v, dtype=torch.int64)),
     "top_p": lambda d: st.lists(st.sampled_from([-1.0, 0.0, math.nan, 2.0, 0.5]),
                                 min_size=d.batch, max_size=d.batch).map(_float64),
+    "min_p": lambda d: st.lists(st.sampled_from([-1.0, math.nan, math.inf, 2.0, 0.5, 0.0, 1.0]),
+                                min_size=d.batch, max_size=d.batch).map(_float64),
 }
+# Per-op flags (sample and the verify ops): valid values, and bad ones with their exception.
+FLAG_ARGS = {
+    "return_logprobs": lambda d: st.sampled_from([None, "processed", "raw"]),
+}
+BAD_FLAGS = {
+    "return_logprobs": (st.sampled_from(["logits", "Raw", True, 1]), ValueError),
+}
+# Verification methods per op (contract section 12). When branch `block` lands, one line:
+#   METHODS.update(verify_chain=("token", "block"), verify_chain_packed=("token", "block"),
+#                  verify_tree=("token", "traversal"))
+# (the builder passes "traversal" only with draft_probs, which it requires).
+METHODS = {"verify_chain": ("token",), "verify_chain_packed": ("token",), "verify_tree": ("token",)}
+BAD_METHOD = (st.sampled_from(["Token", "blocks", "", 0]), ValueError)
+
+
+@st.composite
+def token_bitmask(draw, lead_shape, vocab: int):
+    """xgrammar's int32 bitmask ``[*lead_shape, ceil(V/32)]``: all allowed, random bits (rows
+    with no allowed token included) or a single allowed token per row."""
+    shape = tuple(lead_shape) + (-(-vocab // 32),)
+    kind = draw(st.sampled_from(["all", "random", "one"]))
+    if kind == "all":
+        return torch.full(shape, -1, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    if kind == "random":
+        return torch.randint(-2**31, 2**31, shape, dtype=torch.int64, generator=gen).to(torch.int32)
+    token = torch.randint(0, vocab, tuple(lead_shape), generator=gen)
+    mask = torch.zeros(shape, dtype=torch.int64)
+    mask.scatter_(-1, (token // 32)[..., None], (1 << (token % 32))[..., None])
+    return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)
 
 
 def _float64(values):

@@ -3,17 +3,21 @@
 (a value outside the contract, a wrong dtype or shape, not a tensor, a device without data)
 and checks the error, that no input changed (guard regions included) and that torch's
 generator did not advance."""
+import inspect
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import specdec_kernels as sk
 from calls import KV_OPS, OPS, draw_call
-from strategies import (BAD_RNG, BAD_SAMPLING, BAD_TREE_ATTENTION, examples)
+from strategies import (BAD_FLAGS, BAD_METHOD, BAD_RNG, BAD_SAMPLING, BAD_TREE_ATTENTION,
+                        METHODS, examples)
 
-PER_REQUEST_BAD = {"processed_probs": BAD_SAMPLING, "sample": {**BAD_SAMPLING, **BAD_RNG},
-                   "verify_chain": {**BAD_SAMPLING, **BAD_RNG},
-                   "verify_tree": {**BAD_SAMPLING, **BAD_RNG},
+SEEDED_OPS = ("sample", "verify_chain", "verify_chain_packed", "verify_tree")
+PER_REQUEST_BAD = {"processed_probs": BAD_SAMPLING,
+                   **{op: {**BAD_SAMPLING, **BAD_RNG} for op in SEEDED_OPS},
                    "build_tree_attention": BAD_TREE_ATTENTION}
 
 
@@ -66,6 +70,20 @@ def _value_mutations(call, draw):
                 kw["num_draft_tokens"] = draw(st.sampled_from([-1, d.rows]))
                 return "num_draft_tokens", ValueError
             out.append(bad_count)
+    if call.op in SEEDED_OPS:
+        for name, (bad, error) in BAD_FLAGS.items():
+            def bad_flag(name=name, bad=bad, error=error):
+                kw[name] = draw(bad)
+                return name, error
+            out.append(bad_flag)
+    if call.op in METHODS:
+        def bad_method():
+            kw["method"] = draw(BAD_METHOD[0])
+            return "method", BAD_METHOD[1]
+        if "method" in inspect.signature(getattr(sk, call.op)).parameters:
+            out.append(bad_method)
+    if call.op == "verify_chain_packed":
+        out += _packed_mutations(call, draw)
     if call.op in ("verify_tree", "build_tree_attention") and d.batch:
         n = _live(call, "num_nodes", d.rows)
         b = draw(st.integers(0, d.batch - 1))
@@ -135,15 +153,71 @@ def _value_mutations(call, draw):
 
 
 TENSOR_ARGS = ("logits", "target_logits", "draft_token_ids", "draft_probs", "draft_logits",
-               "tree_token_ids", "parents", "num_draft_tokens", "num_nodes", "prefix_lens",
-               "temperature", "top_k", "top_p", "seed", "offset", "kv_lens", "accepted_nodes",
-               "num_accepted", "block_tables")
+               "tree_token_ids", "parents", "num_draft_tokens", "cu_num_draft_tokens",
+               "num_nodes", "prefix_lens", "temperature", "top_k", "top_p", "min_p",
+               "token_bitmask", "seed", "offset", "kv_lens", "accepted_nodes", "num_accepted",
+               "block_tables")
 INDEX_ARGS = ("draft_token_ids", "tree_token_ids", "parents", "kv_lens", "accepted_nodes",
-              "num_accepted", "block_tables", "num_nodes", "prefix_lens")
+              "num_accepted", "block_tables", "num_nodes", "prefix_lens", "token_bitmask",
+              "cu_num_draft_tokens")
 # Tensors that do not set the call's device (the logits, parents and caches do).
 META_ARGS = ("kv_lens", "accepted_nodes", "num_accepted", "block_tables", "num_nodes",
              "prefix_lens", "draft_token_ids", "tree_token_ids", "draft_probs", "temperature",
-             "top_k", "top_p", "seed", "offset")
+             "top_k", "top_p", "min_p", "token_bitmask", "cu_num_draft_tokens", "seed",
+             "offset")
+
+
+def _packed_mutations(call, draw):
+    """Contract section 10's bad offsets (a ValueError naming cu_num_draft_tokens), a bad
+    live draft id, a bad max_draft_tokens."""
+    kw, out = call.kwargs, []
+    cu = kw["cu_num_draft_tokens"]
+    batch, num_packed = cu.shape[0] - 1, kw["draft_token_ids"].shape[0]
+
+    def first_not_zero():
+        kw["cu_num_draft_tokens"] = _set(cu, 0, draw(st.sampled_from([1, -1])))
+        return "cu_num_draft_tokens", ValueError
+
+    def wrong_total():  # cu[B] != T, rows still T + B
+        kw["cu_num_draft_tokens"] = _set(cu, batch, int(cu[batch]) + draw(st.sampled_from([1, -1])))
+        return "cu_num_draft_tokens", ValueError
+
+    def wrong_rows():  # target rows != T + B
+        target = kw["target_logits"]
+        kw["target_logits"] = torch.cat([target, target[:1]]) if target.shape[0] else \
+            torch.zeros(1, target.shape[1], dtype=target.dtype)
+        return "cu_num_draft_tokens", ValueError
+    out += [first_not_zero, wrong_rows]
+    if batch:
+        out.append(wrong_total)
+    counts = (cu[1:] - cu[:-1]).tolist()
+    if any(counts):
+        b = next(i for i, n in enumerate(counts) if n)
+
+        def decreasing():  # request b's end before its start, the total kept
+            if b + 1 == batch:
+                return None
+            kw["cu_num_draft_tokens"] = _set(cu, b + 1, int(cu[b]) - 1)
+            return "cu_num_draft_tokens", ValueError
+
+        def past_max():  # n_b > max_draft_tokens
+            kw["max_draft_tokens"] = counts[b] - 1
+            return "cu_num_draft_tokens", ValueError
+
+        def bad_draft():
+            t = draw(st.integers(0, num_packed - 1))
+            kw["draft_token_ids"] = _set(kw["draft_token_ids"], t,
+                                         draw(st.sampled_from([-1, call.dims.vocab, 2**40])))
+            return "draft_token_ids", ValueError
+        out += [decreasing, past_max, bad_draft]
+
+    def bad_max():
+        value, error = draw(st.sampled_from([(-1, ValueError), (1.0, TypeError),
+                                             (True, TypeError), (2**62, ValueError)]))
+        kw["max_draft_tokens"] = value
+        return "max_draft_tokens", error
+    out.append(bad_max)
+    return out
 
 
 def _structural_mutations(call, draw):
@@ -192,7 +266,7 @@ def test_bad_input_names_the_argument_and_writes_nothing(op, data):
     if broken is None:
         return
     name, error = broken
-    if "seed" not in call.kwargs and op in ("sample", "verify_chain", "verify_tree"):
+    if "seed" not in call.kwargs and op in SEEDED_OPS:
         call.kwargs["seed"] = None  # torch's generator must not advance on a rejected call
     state = torch.get_rng_state()
     with pytest.raises(error) as caught:

@@ -25,12 +25,24 @@ def test_garbage_never_emits_an_id_outside_the_vocabulary(op, data):
     d = call.dims
     assert call.nothing_written()
     if op == "sample":
-        assert out.shape == (d.batch,) and _in_range(out, d.vocab)
+        tokens = out.token_ids if isinstance(out, tuple) else out  # tuple: return_logprobs
+        assert tokens.shape == (d.batch,) and _in_range(tokens, d.vocab)
+        _logprobs_follow(out, tokens)
         return
     assert _in_range(out.output_token_ids, d.vocab)
+    _logprobs_follow(out, out.output_token_ids)
     assert bool(((out.num_accepted >= 0) & (out.num_accepted < d.rows)).all())
     if op == "verify_tree":
         assert _in_range(out.accepted_nodes, d.rows)
+
+
+def _logprobs_follow(out, tokens):
+    """With return_logprobs: float32, shaped like the tokens, NaN where the token is -1."""
+    logprobs = getattr(out, "logprobs", None)
+    if logprobs is None:
+        return
+    assert logprobs.dtype == torch.float32 and logprobs.shape == tokens.shape
+    assert bool(logprobs[tokens == -1].isnan().all())
 
 
 @examples(40)

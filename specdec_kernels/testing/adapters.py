@@ -1,11 +1,14 @@
 """Engine-layout verifiers wrapped into the toolkit's layout, so that the checks run on them.
 
-* :func:`from_vllm`: vLLM V1's flattened layout (``logits [T+B, V]``, inclusive
-  ``cu_num_draft_tokens [B]``);
+* :func:`from_vllm`: vLLM V1's ``RejectionSampler.forward(metadata, draft_probs, logits,
+  sampling_metadata)`` (flattened ``logits [T+B, V]``), the call
+  :mod:`specdec_kernels.adapters.vllm` implements;
 * :func:`from_flashinfer`: FlashInfer's ``chain_speculative_sampling`` (probabilities in);
 * :func:`from_sglang`: SGLang's EAGLE tree kernel ``tree_speculative_sampling_target_only``
   (linked-list trees, probabilities and uniforms in, outputs written in place).
 
+The engine layouts are built by :mod:`specdec_kernels.adapters` (vLLM's metadata, SGLang's
+linked lists), so the toolkit and the engine adapters agree on them by construction.
 Engines that take probabilities expect the sampling parameters applied already: these
 adapters apply them with the toolkit's float64 ``processed_probs`` (then float32), as an
 engine's sampler would. Engines that take uniforms get them from torch's generator, which
@@ -17,6 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..adapters import sglang, vllm
+from ..tree_attention import build_tree_attention
 from . import _laws
 from ._laws import SamplingSetting
 
@@ -40,28 +45,49 @@ def _first(out):
 
 
 def from_vllm(fn: Callable) -> Callable:
-    """A chain verifier in the toolkit's layout from ``fn`` in vLLM's flattened one:
-
-    ``fn(target_logits [T+B, V], draft_token_ids [T], cu_num_draft_tokens [B] (inclusive, as
-    vLLM's SpecDecodeMetadata), *, draft_probs [T, V] or None, <params as given>, <seed/offset
-    as given>) -> output_token_ids [B, K+1]`` with ``-1`` placeholders. Rows of request ``b``:
-    its drafts' rows, then its bonus row (vLLM's order). ``draft_logits`` are passed through
-    as ``[T, V]`` too."""
-    def verify(target_logits, draft_token_ids, *, draft_probs=None, draft_logits=None, **kw):
+    """A chain verifier in the toolkit's layout from ``fn`` with vLLM V1's call,
+    ``RejectionSampler.forward(metadata, draft_probs, logits, sampling_metadata, **seeds)``:
+    ``metadata`` a ``SpecDecodeMetadata`` (``adapters.vllm``'s, built by its
+    ``from_draft_token_ids``), ``draft_probs [T, V]`` or None (a one-hot drafter), the
+    flattened ``logits [T+B, V]`` (request ``b``'s draft rows, then its bonus row) and a
+    ``SamplingMetadata`` holding the declared parameters as ``[B]`` tensors (temperature 0:
+    greedy). ``seed``/``offset`` are passed when the check is seeded (our
+    :func:`specdec_kernels.adapters.vllm.rejection_sample` takes them; declare
+    ``seeded=False`` for vLLM's own sampler). Returns ``[B, K+1]`` token ids with ``-1``
+    placeholders, a ``SamplerOutput`` or a tuple starting with them. vLLM takes the
+    drafter's probabilities only: ``draft_logits`` are processed into ``draft_probs`` here."""
+    def verify(target_logits, draft_token_ids, *, draft_probs=None, draft_logits=None,
+               temperature=None, top_k=None, top_p=None, min_p=None, **seeds):
         batch, rows, vocab = target_logits.shape
-        num_drafts = rows - 1
-        cu = torch.arange(1, batch + 1, device=target_logits.device) * num_drafts
-        flat = {}
-        if draft_probs is not None:
-            flat["draft_probs"] = draft_probs.reshape(batch * num_drafts, vocab)
-        else:
-            flat["draft_probs"] = None
+        device = target_logits.device
+        params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         if draft_logits is not None:
-            flat["draft_logits"] = draft_logits.reshape(batch * num_drafts, vocab)
-        return _first(fn(target_logits.reshape(batch * rows, vocab),
-                         draft_token_ids.reshape(-1), cu, **flat, **kw))
+            draft_probs = _probs(draft_logits, params)
+        metadata = vllm.SpecDecodeMetadata.from_draft_token_ids(draft_token_ids.tolist(),
+                                                                device=device)
+        flat_probs = None if draft_probs is None else draft_probs.reshape(-1, vocab)
+        out = fn(metadata, flat_probs, target_logits.reshape(batch * rows, vocab),
+                 _vllm_sampling(batch, device, **params), **seeds)
+        return _first(getattr(out, "sampled_token_ids", out))
     verify.__name__ = f"from_vllm({getattr(fn, '__name__', fn)})"
     return verify
+
+
+def _vllm_sampling(batch: int, device, temperature, top_k, top_p, min_p):
+    """vLLM's ``SamplingMetadata`` for one call: ``[B]`` tensors, ``temperature`` None when
+    every request is greedy (as vLLM's model runner builds it)."""
+    def per_request(value, dtype):
+        if value is None or isinstance(value, torch.Tensor):
+            return value
+        return torch.full((batch,), value, dtype=dtype, device=device)
+    temperature = per_request(1.0 if temperature is None else temperature, torch.float32)
+    greedy = temperature == 0
+    all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
+    return vllm.SamplingMetadata(temperature=None if all_greedy else temperature,
+                                 all_greedy=all_greedy, all_random=not any_greedy,
+                                 top_p=per_request(top_p, torch.float32),
+                                 top_k=per_request(top_k, torch.int64),
+                                 min_p=per_request(min_p, torch.float32))
 
 
 def from_flashinfer(fn: Callable) -> Callable:
@@ -85,46 +111,6 @@ def from_flashinfer(fn: Callable) -> Callable:
     return verify
 
 
-def parents_to_sglang(parents: torch.Tensor):
-    """``parents [B, N]`` -> SGLang's ``(retrive_next_token, retrive_next_sibling)`` ``[B, N]``:
-    a node's first child and its next sibling (children in increasing node index), ``-1``
-    for none."""
-    batch, nodes = parents.shape
-    next_token = torch.full((batch, nodes), -1, dtype=torch.int64)
-    next_sibling = torch.full((batch, nodes), -1, dtype=torch.int64)
-    parents = parents.cpu().long()
-    for b in range(batch):
-        last_child = {}
-        for i in range(1, nodes):
-            u = int(parents[b, i])
-            if u < 0:
-                continue
-            if u in last_child:
-                next_sibling[b, last_child[u]] = i
-            else:
-                next_token[b, u] = i
-            last_child[u] = i
-    return next_token, next_sibling
-
-
-def sglang_to_parents(retrive_next_token: torch.Tensor,
-                      retrive_next_sibling: torch.Tensor) -> torch.Tensor:
-    """SGLang's linked lists -> ``parents [B, N]`` (``-1`` for the root and unreached nodes)."""
-    batch, nodes = retrive_next_token.shape
-    parents = torch.full((batch, nodes), -1, dtype=torch.int64)
-    first, sibling = retrive_next_token.cpu().long(), retrive_next_sibling.cpu().long()
-    for b in range(batch):
-        stack = [0]
-        while stack:
-            u = stack.pop()
-            child = int(first[b, u])
-            while child != -1:
-                parents[b, child] = u
-                stack.append(child)
-                child = int(sibling[b, child])
-    return parents
-
-
 def from_sglang(fn: Callable, *, num_spec_step: Optional[int] = None) -> Callable:
     """A tree verifier in the toolkit's layout from ``fn`` with SGLang's
     ``tree_speculative_sampling_target_only(predicts, accept_index, accept_token_num,
@@ -141,16 +127,16 @@ def from_sglang(fn: Callable, *, num_spec_step: Optional[int] = None) -> Callabl
         params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         target_probs = _probs(target_logits, params)
         q = torch.zeros_like(target_probs) if draft_probs is None else draft_probs.float().clone()
-        next_token, next_sibling = (x.to(device) for x in parents_to_sglang(parents))
-        depth = _depths(parents.cpu().long())
-        steps = num_spec_step or int(depth.max()) + 1
+        parents = parents.to(device)
+        tree = sglang.tree_to_sglang(parents, tree_token_ids.to(device))
+        steps = num_spec_step or int(build_tree_attention(parents, validate=False).depth.max()) + 1
         predicts = torch.full((batch * nodes,), -1, dtype=torch.int32, device=device)
         accept_index = torch.full((batch, steps), -1, dtype=torch.int32, device=device)
         accept_token_num = torch.zeros(batch, dtype=torch.int32, device=device)
-        retrive_index = torch.arange(batch * nodes, device=device).reshape(batch, nodes)
         fn(predicts=predicts, accept_index=accept_index, accept_token_num=accept_token_num,
-           candidates=tree_token_ids.long().to(device), retrive_index=retrive_index,
-           retrive_next_token=next_token, retrive_next_sibling=next_sibling,
+           candidates=tree.candidates, retrive_index=tree.retrive_index,
+           retrive_next_token=tree.retrive_next_token,
+           retrive_next_sibling=tree.retrive_next_sibling,
            uniform_samples=torch.rand(batch, nodes, device=device),
            uniform_samples_for_final_sampling=torch.rand(batch, device=device),
            target_probs=target_probs, draft_probs=q, threshold_single=1.0, threshold_acc=1.0,
@@ -158,13 +144,6 @@ def from_sglang(fn: Callable, *, num_spec_step: Optional[int] = None) -> Callabl
         return _sglang_outputs(tree_token_ids, predicts, accept_index, accept_token_num, nodes)
     verify.__name__ = f"from_sglang({getattr(fn, '__name__', fn)})"
     return verify
-
-
-def _depths(parents: torch.Tensor) -> torch.Tensor:
-    depth = torch.zeros_like(parents)
-    for i in range(1, parents.shape[1]):
-        depth[:, i] = torch.where(parents[:, i] >= 0, depth.gather(1, parents[:, i:i + 1].clamp(min=0))[:, 0] + 1, 0)
-    return depth
 
 
 def _sglang_outputs(tokens, predicts, accept_index, accept_token_num, nodes):
