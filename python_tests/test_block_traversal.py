@@ -223,7 +223,7 @@ def test_block_sampled_tokens_follow_target(mode, params):
     chi-square at alpha = ALPHA per test, power >= 0.99 against any law at TV >= 0.02 asserted
     for the first token. The mean accepted length matches sum_i E[w_i] (normal test at ALPHA)
     and exceeds the token rule's exact expectation."""
-    batch, vocab, num_drafts = 60_000, 6, 3
+    batch, vocab, num_drafts = 40_000, 6, 3
     out, p, q = _context_free_round(mode, params, batch, vocab, num_drafts, method="block")
     tokens, accepted = out.output_token_ids.long(), out.num_accepted.long()
     for j in range(num_drafts + 1):
@@ -247,7 +247,7 @@ def test_block_chi_square_catches_planted_bug(monkeypatch):
     """h_j = w_j (the "cumulative ratio" shortcut): the token after one accepted draft no
     longer follows the target (chi-square p-value < ALPHA; power printed)."""
     monkeypatch.setattr(ref_chain, *BLOCK_BUGS["h-equals-w"])
-    batch, vocab, num_drafts = 60_000, 6, 3
+    batch, vocab, num_drafts = 40_000, 6, 3
     out, p, _ = _context_free_round("draft_probs", (1.0, 0, 1.0), batch, vocab, num_drafts,
                                     method="block")
     tokens, accepted = out.output_token_ids.long(), out.num_accepted.long()
