@@ -443,7 +443,7 @@ def test_traversal_greedy_equals_token():
     kw = dict(draft_probs=q, temperature=0.0, seed=torch.arange(batch), backend="reference")
     token = sk.verify_tree(logits, tokens, parents, **kw)
     traversal = sk.verify_tree(logits, tokens, parents, method="traversal", **kw)
-    for a, b in zip(token, traversal):
+    for a, b in zip(token[:3], traversal[:3]):  # tokens, path, num_accepted (logprobs None)
         assert torch.equal(a, b)
     assert int(token.num_accepted.sum()) > 0
 
@@ -486,3 +486,24 @@ def test_traversal_padding_and_invalid_nodes_are_ignored():
     assert bool(inside.any())
     assert torch.equal(cut.output_token_ids[inside, :3], pruned.output_token_ids[inside, :3])
     assert not bool((cut.accepted_nodes >= 3).logical_and(cut.accepted_nodes <= 5).any())
+
+
+def test_packed_layout_gets_block_verification():
+    """verify_chain_packed(method="block") forwards to the chain's internal entry point: the
+    padded call's tokens."""
+    gen = torch.Generator().manual_seed(0)
+    batch, num_drafts, vocab = 6, 4, 11
+    n = torch.tensor([4, 0, 2, 3, 1, 4])
+    logits = torch.randn(batch, num_drafts + 1, vocab, generator=gen) * 2
+    q = torch.softmax(logits[:, :num_drafts] + torch.randn(batch, num_drafts, vocab, generator=gen), -1)
+    drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, num_drafts)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)])
+    rows = torch.cat([torch.arange(int(n[b]) + 1) + b * (num_drafts + 1) for b in range(batch)])
+    draft_rows = torch.cat([torch.arange(int(n[b])) + b * num_drafts for b in range(batch)])
+    kw = dict(seed=torch.arange(batch) + 3, offset=2, method="block", backend="reference")
+    padded = sk.verify_chain(logits, drafts, draft_probs=q, num_draft_tokens=n, **kw)
+    packed = sk.verify_chain_packed(logits.reshape(-1, vocab)[rows], drafts.reshape(-1)[draft_rows],
+                                    cu, max_draft_tokens=num_drafts,
+                                    draft_probs=q.reshape(-1, vocab)[draft_rows], **kw)
+    assert torch.equal(padded.output_token_ids, packed.output_token_ids)
+    assert torch.equal(padded.num_accepted, packed.num_accepted)

@@ -104,7 +104,7 @@ def test_traversal_matches_reference(mode, dtype):
                          **{k: _to(v) for k, v in kwargs.items()})
     want = sk.verify_tree(target, tokens, parents, backend="reference", **kwargs)
     same = torch.ones(batch, dtype=torch.bool)
-    for a, b in zip(got, want):
+    for a, b in zip(got[:3], want[:3]):  # tokens, path, num_accepted (logprobs None)
         a = a.cpu()
         same &= (a == b).all(1) if a.dim() == 2 else (a == b)
     print(f"traversal {mode}: {int((~same).sum())}/{batch} requests differ")
