@@ -167,6 +167,152 @@ def plot(rows: list[dict], path) -> None:
     plt.close(fig)
 
 
+# --- Verification methods: block vs token (chains), traversal vs token (trees) ------------
+
+def _synthetic_rows(sigma: float, batch: int, rows: int, vocab: int, gen: torch.Generator):
+    """Target logits ``[B, rows + 1, V]`` and draft logits ``[B, rows, V]`` as above: row ``j``
+    of a request is the same whatever was drafted before it (context-free per request)."""
+    target = LOGIT_SCALE * torch.randn(batch, rows + 1, vocab, generator=gen)
+    growth = 1 + POSITION_GROWTH * torch.arange(rows, dtype=torch.float32)
+    draft = target[:, :rows] + sigma * growth[None, :, None] * torch.randn(
+        batch, rows, vocab, generator=gen)
+    return target, draft
+
+
+def chain_method_gain(sigma: float, *, num_drafts: int = 8, batch: int = 4096,
+                      vocab: int = 256, seed: int = 0) -> dict:
+    """Expected accepted drafts per step, token vs block verification, for chains of
+    ``num_drafts`` on the synthetic pairs above (temperature 1). Per request, with
+    ``alpha_j = sum(min(p_j, q_j))`` and ``r_j = p_j(x_j) / q_j(x_j)`` (rows context-free, so
+    the ratios are independent):
+
+    * token, exact: ``sum_i prod_{j<=i} alpha_j``;
+    * block: ``sum_i E[w_i]``, ``w_i = min(1, w_{i-1} r_i)`` (``w_i = P(tau >= i | x^i)``
+      exactly, so only the drafts are sampled: one chain per request), as token + gain, where
+      the gain ``sum_i (w_i - prod_{j<=i} min(1, r_j))`` (the second term's mean is token's
+      exact value) is >= 0 pointwise; its standard error is given;
+    * as a check, the mean ``num_accepted`` of ``verify_chain`` with each method.
+    """
+    import specdec_kernels as sk  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(seed)
+    target, draft = _synthetic_rows(sigma, batch, num_drafts, vocab, gen)
+    p, q = torch.softmax(target.double(), -1), torch.softmax(draft.double(), -1)
+    token_exact = torch.minimum(p[:, :num_drafts], q).sum(-1).cumprod(-1).sum(-1)
+    drafts = torch.multinomial(q.reshape(-1, vocab).float(), 1, generator=gen).view(batch, -1)
+    ratio = (p[:, :num_drafts].gather(-1, drafts[..., None])
+             / q.gather(-1, drafts[..., None]))[..., 0]
+    w, weights = torch.ones(batch, dtype=torch.float64), []
+    for j in range(num_drafts):
+        w = (w * ratio[:, j]).clamp(max=1)
+        weights.append(w)
+    gain = torch.stack(weights, 1).sum(-1) - ratio.clamp(max=1).cumprod(-1).sum(-1)
+    kw = dict(draft_logits=draft, seed=torch.arange(batch) + 1000 * seed, offset=3,
+              backend="reference")
+    measured = {m: float(sk.verify_chain(target, drafts, method=m, **kw).num_accepted
+                         .double().mean()) for m in ("token", "block")}
+    return {"sigma": sigma, "num_drafts": num_drafts, "batch": batch, "vocab": vocab,
+            "token_exact": float(token_exact.mean()),
+            "block": float(token_exact.mean() + gain.mean()),
+            "block_gain": float(gain.mean()), "block_gain_se": float(gain.std() / batch ** 0.5),
+            "token_measured": measured["token"], "block_measured": measured["block"]}
+
+
+def binary_tree(depth: int) -> list[int]:
+    """Parents of a full binary tree of ``depth`` levels below the root, in pre-order (a
+    node's subtree right after it): ``2**(depth+1) - 1`` nodes."""
+    parents = [-1]
+
+    def grow(node: int, level: int) -> None:
+        for _ in range(2):
+            if level < depth:
+                parents.append(node)
+                grow(len(parents) - 1, level + 1)
+    grow(0, 0)
+    return parents
+
+
+def tree_method_gain(sigma: float, *, depth: int = 3, batch: int = 8192, vocab: int = 256,
+                     seed: int = 0) -> dict:
+    """Mean accepted drafts per step, token vs traversal verification, on full binary trees of
+    ``depth`` levels with children drawn i.i.d. from the draft (rows context-free per depth:
+    a node's rows are those of its depth). Monte Carlo: both methods verify the same trees
+    with the same seeds and offsets; the gain's standard error is the paired one."""
+    import specdec_kernels as sk  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(seed)
+    parents = binary_tree(depth)
+    nodes = len(parents)
+    level = [0] * nodes
+    for i in range(1, nodes):
+        level[i] = level[parents[i]] + 1
+    target, draft = _synthetic_rows(sigma, batch, depth + 1, vocab, gen)
+    node_target = target[:, level]
+    node_q = torch.softmax(draft[:, level], -1)
+    tokens = torch.zeros(batch, nodes, dtype=torch.int64)
+    for i in range(1, nodes):  # node i drawn from its parent's draft row
+        tokens[:, i] = torch.multinomial(node_q[:, parents[i]], 1, generator=gen)[:, 0]
+    kw = dict(draft_probs=node_q, seed=torch.arange(batch) + 7000 * (seed + 1), offset=5,
+              backend="reference")
+    tree_parents = torch.tensor(parents).expand(batch, nodes)
+    accepted = {m: sk.verify_tree(node_target, tokens, tree_parents, method=m, **kw)
+                .num_accepted.double() for m in ("token", "traversal")}
+    gain = accepted["traversal"] - accepted["token"]
+    return {"sigma": sigma, "depth": depth, "nodes": nodes, "batch": batch, "vocab": vocab,
+            "token": float(accepted["token"].mean()),
+            "traversal": float(accepted["traversal"].mean()),
+            "traversal_gain": float(gain.mean()), "traversal_gain_se": float(gain.std() / batch ** 0.5)}
+
+
+def method_gain_table(agreement: dict = AGREEMENT, draft_lengths: Sequence[int] = (2, 4, 8), *,
+                      chain_batch: int = 4096, tree_batch: int = 8192, vocab: int = 256,
+                      tree_depth: int = 3) -> dict:
+    """``{"chain": rows per (agreement, K), "tree": rows per agreement}``."""
+    chain, tree = [], []
+    for i, (level, sigma) in enumerate(agreement.items()):
+        for k in draft_lengths:
+            chain.append({"agreement": level, **chain_method_gain(
+                sigma, num_drafts=k, batch=chain_batch, vocab=vocab, seed=i)})
+        tree.append({"agreement": level, **tree_method_gain(
+            sigma, depth=tree_depth, batch=tree_batch, vocab=vocab, seed=i)})
+    return {"chain": chain, "tree": tree}
+
+
+def method_gain_summary(table: dict) -> str:
+    """Markdown: accepted drafts per step (a step emits accepted + 1 tokens)."""
+    lines = ["| agreement | K | token (exact) | block | gain (emitted tokens) | verify_chain token → block |",
+             "|---|---|---|---|---|---|"]
+    for r in table["chain"]:
+        lines.append(
+            f"| {r['agreement']} | {r['num_drafts']} | {r['token_exact']:.3f} | {r['block']:.3f} "
+            f"| +{r['block_gain']:.3f} ± {r['block_gain_se']:.3f} "
+            f"(+{100 * r['block_gain'] / (1 + r['token_exact']):.1f}%) "
+            f"| {r['token_measured']:.3f} → {r['block_measured']:.3f} |")
+    lines += ["", "| agreement | tree | token | traversal | gain (emitted tokens) |",
+              "|---|---|---|---|---|"]
+    for r in table["tree"]:
+        lines.append(
+            f"| {r['agreement']} | binary, depth {r['depth']} ({r['nodes'] - 1} drafts) "
+            f"| {r['token']:.3f} | {r['traversal']:.3f} "
+            f"| {r['traversal_gain']:+.3f} ± {r['traversal_gain_se']:.3f} "
+            f"({100 * r['traversal_gain'] / (1 + r['token']):+.1f}%) |")
+    return "\n".join(lines)
+
+
 __all__ = ["expected_tokens", "speedup", "leviathan_speedup", "measure_acceptance",
-           "build_table", "run", "summary", "plot"]
+           "build_table", "run", "summary", "plot", "chain_method_gain", "tree_method_gain",
+           "binary_tree", "method_gain_table", "method_gain_summary"]
+
+
+if __name__ == "__main__":  # python -m bench.spec_model [OUT_DIR]: the methods' gain table
+    import json  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
+    table = method_gain_table()
+    (out / "method_gain.json").write_text(json.dumps(table, indent=1))
+    text = method_gain_summary(table)
+    (out / "method_gain.md").write_text(text + "\n")
+    print(text)
 

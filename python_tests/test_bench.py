@@ -196,3 +196,19 @@ def test_bench_imports_never_touch_cuda(monkeypatch):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_check_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")], check=True)
+
+
+def test_method_gain_measurement():
+    """The methods' gain table (README): a draft equal to the target accepts everything with
+    every method; a noisy draft gains >= 0 with block (pointwise) and the table renders."""
+    same = spec_model.chain_method_gain(0.0, num_drafts=3, batch=32, vocab=16)
+    assert same["token_exact"] == pytest.approx(3.0) and same["block"] == pytest.approx(3.0)
+    assert same["token_measured"] == same["block_measured"] == 3.0
+    noisy = spec_model.chain_method_gain(1.5, num_drafts=3, batch=64, vocab=16)
+    assert noisy["block_gain"] > 0 and noisy["block"] >= noisy["token_exact"]
+    assert spec_model.binary_tree(2) == [-1, 0, 1, 1, 0, 4, 4]
+    tree = spec_model.tree_method_gain(0.0, depth=2, batch=32, vocab=16)
+    assert tree["token"] == tree["traversal"] == 2.0
+    text = spec_model.method_gain_summary({"chain": [{"agreement": "x", **noisy}],
+                                           "tree": [{"agreement": "x", **tree}]})
+    assert "| x | 3 |" in text and "binary, depth 2 (6 drafts)" in text

@@ -86,6 +86,10 @@ class ToyModels:
             law[seq] = prob
         return law
 
+    def completed(self, prefix, length: int, complete: bool = True) -> dict:
+        """``complete(prefix, length)``, or ``{prefix: 1}`` when ``complete`` is False."""
+        return self.complete(prefix, length) if complete else {tuple(prefix): 1.0}
+
     def complete(self, prefix, length: int) -> dict:
         """Law of ``prefix`` continued by the target to ``length`` tokens."""
         law = {tuple(prefix): 1.0}
@@ -100,8 +104,10 @@ class ToyModels:
         return law
 
 
-def enumerate_round(models: ToyModels, num_draft_tokens: int, outcome=ref_chain.chain_outcome):
-    """Exact law of one verify round's tokens, completed by the target to K+1 tokens."""
+def enumerate_round(models: ToyModels, num_draft_tokens: int, outcome=ref_chain.chain_outcome,
+                    complete: bool = True):
+    """Exact law of one verify round's tokens, completed by the target to K+1 tokens
+    (``complete=False``: the law of the emitted tokens themselves)."""
     vocab, K, n = models.vocab, models.num_drafts, num_draft_tokens
     greedy = models.params[0] == 0
     branches = []  # (drafts, intended accepted count, probability)
@@ -148,7 +154,7 @@ def enumerate_round(models: ToyModels, num_draft_tokens: int, outcome=ref_chain.
         for tok in range(vocab):
             if final[tok] > 0:
                 emitted = tuple(drafts[:accepted]) + (tok,)
-                for seq, cont in models.complete(emitted, K + 1).items():
+                for seq, cont in models.completed(emitted, K + 1, complete).items():
                     law[seq] = law.get(seq, 0.0) + prob * float(final[tok]) * cont
     return law
 
@@ -207,10 +213,11 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor):
 
 
 def _context_free_round(mode: str, params, batch: int, vocab: int = 6, num_drafts: int = 3,
-                        seed: int = 0):
+                        seed: int = 0, method: str = "token"):
     """Sample one verify round for ``batch`` requests sharing context-free rows: target row j
     is fixed, drafts are drawn with ``sk.sample`` from their q with the verifier's seed (the
-    streams are disjoint) and one offset per draft position, as a drafter's steps would."""
+    streams are disjoint) and one offset per draft position, as a drafter's steps would.
+    Returns ``(ChainVerifyOutput, p [K+1, V], q [K, V])``."""
     gen = torch.Generator().manual_seed(seed)
     target = torch.randn(num_drafts + 1, vocab, generator=gen) * 1.5
     draft = target[:num_drafts] + 0.6 * torch.randn(num_drafts, vocab, generator=gen)
@@ -233,7 +240,7 @@ def _context_free_round(mode: str, params, batch: int, vocab: int = 6, num_draft
         q = torch.zeros(num_drafts, vocab).scatter_(-1, draft.argmax(-1, keepdim=True), 1.0)
         drafts = draft.argmax(-1).expand(batch, num_drafts)
     out = sk.verify_chain(target.expand(batch, num_drafts + 1, vocab), drafts, seed=seeds,
-                          offset=offsets, backend="reference", **draft_kw, **kw)
+                          offset=offsets, method=method, backend="reference", **draft_kw, **kw)
     p = sk.processed_probs(target, **kw)
     return out, p, q
 

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -145,14 +146,20 @@ def _decision_vectors(parents):
     return vectors
 
 
-def enumerate_law(toy: ToyTree, draft_sampling=None):
-    """Exact laws of one verify round through ``walk_tree``: returns ``(extended, first,
-    second)``: the law of the emitted tokens completed by the target to DEPTH + 1 tokens
-    ``[V]*3``, the law of the first emitted token ``[V]``, and ``P(first node accepted, first
-    token x, second token y)`` ``[V, V]``."""
+class TreeLaw(NamedTuple):
+    extended: torch.Tensor  # [V]*3: emitted tokens completed by the target to DEPTH + 1
+    first: torch.Tensor     # [V]: the first emitted token
+    second: torch.Tensor    # [V, V]: P(first node accepted, first token x, second token y)
+    mean_accepted: float    # E[num_accepted]
+
+
+def enumerate_law(toy: ToyTree, draft_sampling=None, walk_tree=ref_tree.walk_tree,
+                  decision_vectors=_decision_vectors) -> TreeLaw:
+    """Exact laws of one verify round through ``walk_tree`` (the token walk, or the traversal
+    walk with its own ``decision_vectors``: one accept/reject vector per walk outcome)."""
     vocab, nodes = toy.vocab, len(toy.parents)
     tokens, draft_prob = toy.drafts()
-    bits = torch.tensor(_decision_vectors(toy.parents), dtype=torch.bool)
+    bits = torch.tensor(decision_vectors(toy.parents), dtype=torch.bool)
     trees, decisions = len(tokens), len(bits)
     tokens = tokens.repeat_interleave(decisions, 0)
     draft_prob = draft_prob.repeat_interleave(decisions, 0)
@@ -163,8 +170,8 @@ def enumerate_law(toy: ToyTree, draft_sampling=None):
     greedy = torch.full((batch,), toy.params[0] == 0)
     u = torch.where(bits, 0.0, U_REJECT).to(torch.float64)
     parents = torch.tensor(toy.parents).expand(batch, nodes)
-    walk = ref_tree.walk_tree(p, q, tokens, parents, torch.full((batch,), nodes),
-                              draft_sampling or toy.mode, greedy, u)
+    walk = walk_tree(p, q, tokens, parents, torch.full((batch,), nodes),
+                     draft_sampling or toy.mode, greedy, u)
 
     accepted = torch.zeros(batch, nodes, dtype=torch.bool)
     path = walk.accepted_nodes
@@ -204,7 +211,7 @@ def enumerate_law(toy: ToyTree, draft_sampling=None):
             extended.view(vocab * vocab, vocab).index_add_(0, idx, w[:, None] * f)
             first.index_add_(0, toks[:, 0], w)
             second.view(-1).index_add_(0, idx, w)
-    return extended, first, second
+    return TreeLaw(extended, first, second, float((weight * length).sum()))
 
 
 def target_law(toy: ToyTree) -> torch.Tensor:
@@ -222,7 +229,7 @@ def _case(mode: str, params, seed: int = 1) -> ToyTree:
 @pytest.mark.parametrize("seed", [1, 2])
 def test_enumerated_law_equals_target(mode, params, seed):
     toy = _case(mode, params, seed)
-    extended, first, _ = enumerate_law(toy)
+    extended, first, _, _ = enumerate_law(toy)
     assert abs(float(extended.sum()) - 1.0) < 1e-12
     gap = float((extended - target_law(toy)).abs().max())
     assert gap < 1e-12, f"law differs from the target by {gap}"
@@ -256,7 +263,7 @@ def _plant(monkeypatch, bug: str):
 def test_enumeration_catches_planted_bug(monkeypatch, bug):
     mode, sampling = _plant(monkeypatch, bug)
     toy = _case(mode, (1.0, 0, 1.0), seed=2)
-    extended, _, _ = enumerate_law(toy, sampling)
+    extended = enumerate_law(toy, sampling).extended
     gap = float((extended - target_law(toy)).abs().max())
     assert gap > 1e-3, f"the planted bug changed the law by only {gap}"
 
@@ -270,7 +277,7 @@ SAMPLED_BATCH = 60_000
 SAMPLED_PARAMS = (1.0, 0, 1.0)
 
 
-def sample_round(toy: ToyTree, batch: int, seed: int, draft_sampling=None):
+def sample_round(toy: ToyTree, batch: int, seed: int, draft_sampling=None, method="token"):
     """Draw ``batch`` trees from the drafter (torch's sampler) and verify them through the
     public API with float32 logits ``log p``. Returns the TreeVerifyOutput."""
     gen = torch.Generator().manual_seed(seed)
@@ -295,7 +302,7 @@ def sample_round(toy: ToyTree, batch: int, seed: int, draft_sampling=None):
                           draft_sampling=draft_sampling or
                           ("iid" if toy.mode == "deterministic" else toy.mode),
                           temperature=t, top_k=k, top_p=p, seed=torch.arange(batch) + seed,
-                          offset=11, backend="reference")
+                          offset=11, method=method, backend="reference")
 
 
 def _chi_square(counts: torch.Tensor, expected_law: torch.Tensor, bug_law: torch.Tensor):
@@ -339,7 +346,7 @@ def test_sampled_tokens_follow_target(monkeypatch, mode):
     # The bug's exact law, for the power of each test.
     with monkeypatch.context() as patched:
         _, sampling = _plant(patched, BUG_OF_MODE[mode])
-        _, bug_first, bug_second = enumerate_law(toy, sampling)
+        _, bug_first, bug_second, _ = enumerate_law(toy, sampling)
     first, second = _sampled_counts(sample_round(toy, SAMPLED_BATCH, seed=0), toy.vocab)
     p_first, power_first = _chi_square(first, T0[None], bug_first[None])
     p_second, power_second = _chi_square(second, T1, _conditional(bug_second))

@@ -15,7 +15,7 @@ class ChainVerifyOutput(NamedTuple):
     num_accepted: torch.Tensor      # [B] int32
     logprobs: Optional[torch.Tensor] = None  # [B, K+1] float32 with return_logprobs, NaN at -1
 
-METHODS = ("token",)  # contract section 12; "block" joins with its kernels
+METHODS = _reference.METHODS  # contract sections 3 and 12: ("token", "block")
 
 
 @_backend.on_input_device
@@ -24,7 +24,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                  draft_logits: Optional[torch.Tensor] = None,
                  num_draft_tokens: PerRequest = None, temperature: PerRequest = None,
                  top_k: PerRequest = None, top_p: PerRequest = None, seed: PerRequest = None,
-                 offset: PerRequest = None, backend: str = "auto",
+                 offset: PerRequest = None, method: str = "token", backend: str = "auto",
                  validate: bool = True, min_p: PerRequest = None,
                  token_bitmask: Optional[torch.Tensor] = None,
                  return_logprobs: Optional[str] = None) -> ChainVerifyOutput:
@@ -32,10 +32,19 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
 
     For request ``b`` with ``n = num_draft_tokens[b]`` drafts: greedy requests
     (``temperature == 0``) accept drafts while they equal the target arg-max and then emit the
-    arg-max; sampled requests accept draft ``j`` when ``u_j * q_j(d_j) < p_j(d_j)`` and emit,
-    at the first rejection, a sample of ``norm(max(p_j - q_j, 0))`` (``p_j`` if no mass is left),
-    or, when all ``n`` were accepted, a bonus sample of ``p_{n+1}``. The emitted tokens are
-    distributed exactly as tokens sampled one by one from the processed target distribution.
+    arg-max. Sampled requests, ``method="token"``: accept draft ``j`` when
+    ``u_j * q_j(d_j) < p_j(d_j)`` and emit, at the first rejection, a sample of
+    ``norm(max(p_j - q_j, 0))`` (``p_j`` if no mass is left), or, when all ``n`` were accepted,
+    a bonus sample of ``p_{n+1}``. ``method="block"`` (block verification, Sun et al. 2025):
+    with ``w_0 = 1``, ``w_j = min(1, w_{j-1} p_j(d_j) / q_j(d_j))``,
+    ``R_j = sum(max(w_j p_{j+1} - q_{j+1}, 0))``, ``h_j = R_j / (R_j + 1 - w_j)`` (``j < n``)
+    and ``h_n = w_n``, accept the first ``tau = max({0} u {j : u_j < h_j})`` drafts (a later
+    success overrides an earlier failure) and emit a sample of
+    ``norm(max(w_tau p_{tau+1} - q_{tau+1}, 0))`` (``p_{tau+1}`` if no mass is left), or the
+    bonus when ``tau = n``. Both are exact: the emitted tokens are distributed as tokens
+    sampled one by one from the processed target distribution; block accepts at least as many
+    drafts on average, has the token rule's law for one-hot drafts, and gives the token
+    rule's tokens for greedy requests and ``n <= 1``.
 
     Args:
         target_logits: raw target logits at the K draft positions and the bonus position.
@@ -53,6 +62,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
             (``min_p`` also processes ``draft_logits``).
         seed, offset: per request, as in :func:`sample`; the acceptance uniforms and the
             correction noise are separate Philox streams keyed by them.
+        method: ``"token"`` (default) or ``"block"``.
         backend: ``"auto"`` (Triton for CUDA tensors, reference for CPU tensors),
             ``"reference"`` or ``"triton"`` (CPU tensors need ``TRITON_INTERPRET=1``).
         validate: check ids, lengths and parameter values (reads only those small tensors).
@@ -96,6 +106,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     _params.check_token_bitmask(token_bitmask, [batch, rows], vocab, device,
                                 "[B, K+1, W] like target_logits [B, K+1, V]")
     _params.check_return_logprobs(return_logprobs)
+    check_method(method)
     use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=validate, min_p=min_p)
@@ -107,7 +118,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
-                      num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs)
+                      num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs,
+                      method=method)
 
 
 @_backend.on_input_device
@@ -141,7 +153,8 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
             :func:`verify_chain`.
         token_bitmask: Shape ``(T + batch_size, ceil(vocab_size / 32))``; int32, one row per
             target row.
-        method: ``"token"`` (contract section 3).
+        method: ``"token"`` (contract section 3) or ``"block"`` (section 12), as in
+            :func:`verify_chain`.
         return_logprobs, backend, validate: as in :func:`verify_chain`.
 
     Returns:
@@ -198,7 +211,7 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                       layout.num_draft_tokens, params, seeds, offsets, token_bitmask,
-                      return_logprobs, layout=layout)
+                      return_logprobs, layout=layout, method=method)
 
 
 class PackedLayout(NamedTuple):
@@ -245,8 +258,9 @@ def _check_drafts(draft_probs, draft_logits, shape, what: str, device) -> None:
 
 def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs,
-               layout: Optional[PackedLayout] = None) -> ChainVerifyOutput:
-    """The parsed call on its backend; ``layout``: the inputs are packed."""
+               layout: Optional[PackedLayout] = None, method: str = "token") -> ChainVerifyOutput:
+    """The parsed call on its backend; ``layout``: the inputs are packed; ``method``: token or
+    block verification (the one internal entry point of both layouts)."""
     if layout is not None:  # the reference of the packed layout is the padded one (its definition)
         target_logits, draft_token_ids, draft_probs, draft_logits, token_bitmask = \
             padded_inputs(layout, target_logits, draft_token_ids, draft_probs, draft_logits,
@@ -256,12 +270,12 @@ def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_lo
         _triton_features_missing(params, token_bitmask, return_logprobs)
         out, accepted = _triton.verify_chain(target_logits, draft_token_ids, draft_probs,
                                              draft_logits, num_draft_tokens, params, seeds,
-                                             offsets)
+                                             offsets, method=method)
         return ChainVerifyOutput(out, accepted)
     out, accepted, logprobs = _reference.verify_chain(
         target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
         params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,
-        token_bitmask=token_bitmask, return_logprobs=return_logprobs)
+        token_bitmask=token_bitmask, return_logprobs=return_logprobs, method=method)
     return ChainVerifyOutput(out, accepted, logprobs)
 
 

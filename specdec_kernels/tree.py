@@ -22,7 +22,7 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
                 *, draft_probs: Optional[torch.Tensor] = None, draft_sampling: str = "iid",
                 num_nodes: PerRequest = None, temperature: PerRequest = None,
                 top_k: PerRequest = None, top_p: PerRequest = None, seed: PerRequest = None,
-                offset: PerRequest = None, backend: str = "auto",
+                offset: PerRequest = None, method: str = "token", backend: str = "auto",
                 validate: bool = True, min_p: PerRequest = None,
                 token_bitmask: Optional[torch.Tensor] = None,
                 return_logprobs: Optional[str] = None) -> TreeVerifyOutput:
@@ -38,6 +38,16 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     * ``draft_sampling="without_replacement"``: as i.i.d. with ``q_1 = q`` and
       ``q_{i+1} = q_i`` with ``x_i`` removed and renormalised (recursive rejection sampling);
     * greedy (``temperature == 0``): accept the first child whose token is ``argmax p``.
+
+    That is ``method="token"``. ``method="traversal"`` (traversal verification, Weng et al.
+    2025; ``"iid"`` and ``"without_replacement"`` drafts, so ``draft_probs`` is required):
+    sequence-level weights ``w_v = min(1, w_u P_u(x_v) / Q_u(x_v))`` (``w_root = 1``); the
+    first leaf of the remaining tree in depth-first order is accepted when ``u_v < w_v``
+    (emit its path and a sample of its current ``P_v``), else removed, and its parent ``u``
+    updated: ``S = sum(max(w_u P_u - Q_u, 0))``, ``P_u <- norm(max(w_u P_u - Q_u, 0))``,
+    ``w_u <- S / (S + 1 - w_u)`` (without replacement: ``x_v`` leaves ``Q_u``). The root is
+    never rejected. Exact; a chain-shaped tree gives ``verify_chain(method="block")``'s
+    tokens, greedy requests the token walk's.
 
     An accepted child becomes ``u``. When no child is accepted, one sample of the current
     ``p`` is emitted (a correction); at a leaf, one sample of its ``p`` (a bonus). The emitted
@@ -63,6 +73,7 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
         temperature, top_k, top_p, min_p: per request, as in :func:`processed_probs`.
         seed, offset: per request, as in :func:`sample`; acceptance uniforms use the tested
             node's index, the correction/bonus noise the index of the node it is drawn from.
+        method: ``"token"`` (default) or ``"traversal"``.
         backend: ``"auto"`` (Triton for CUDA tensors, reference for CPU tensors),
             ``"reference"`` or ``"triton"`` (CPU tensors need ``TRITON_INTERPRET=1``).
         validate: check the tree, ids, lengths and parameter values (reads only those small
@@ -103,6 +114,12 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     if not isinstance(draft_sampling, str) or draft_sampling not in _reference.DRAFT_SAMPLING:
         raise ValueError(f"draft_sampling: expected one of {_reference.DRAFT_SAMPLING}, "
                          f"got {draft_sampling!r}")
+    if not isinstance(method, str) or method not in _reference.METHODS:
+        raise ValueError(f"method: expected one of {_reference.METHODS}, got {method!r}")
+    if method == "traversal" and draft_probs is None:
+        raise ValueError("method: 'traversal' needs draft_probs (children drawn from q, "
+                         "'iid' or 'without_replacement'); got draft_probs=None "
+                         "(deterministic candidates: use method='token')")
     if draft_probs is not None:
         _params.check_tensor(draft_probs, "draft_probs",
                              dtypes=_params.LOGIT_DTYPES + (torch.float64,), device=device)
@@ -127,12 +144,12 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
         _triton_features_missing(params, token_bitmask, return_logprobs)
         out, path, accepted = _triton.verify_tree(target_logits, tree_token_ids, parents,
                                                   draft_probs, draft_sampling, num_nodes, params,
-                                                  seeds, offsets)
+                                                  seeds, offsets, method=method)
         return TreeVerifyOutput(out, path, accepted)
     return TreeVerifyOutput(*_reference.verify_tree(
         target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
         params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,
-        token_bitmask=token_bitmask, return_logprobs=return_logprobs))
+        token_bitmask=token_bitmask, return_logprobs=return_logprobs, method=method))
 
 
 def _check_tree_values(tree_token_ids: torch.Tensor, parents: torch.Tensor,

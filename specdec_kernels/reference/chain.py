@@ -1,12 +1,67 @@
-"""Reference chain verification (contract section 3), vectorised over the batch."""
+"""Reference chain verification (contract sections 3 and 12), vectorised over the batch.
+
+``method="token"`` is the token-level rule (section 3); ``method="block"`` is block
+verification (Sun et al., ICLR 2025; section 12). The float operations of block verification
+are the ones the traversal walk of ``reference/tree.py`` does on a chain-shaped tree (shared
+helpers below), so the two give the same tokens there.
+"""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .. import _rng
 from .sampling import processed_probs, race, token_logprobs
+
+METHODS = ("token", "block")
+
+
+def sequence_weight(previous: torch.Tensor, target: torch.Tensor, draft: torch.Tensor):
+    """``min(1, previous * target / draft)``: the capped cumulative ratio ``w_j`` of block and
+    traversal verification. A draft probability of 0 (only with unvalidated ``draft_probs``)
+    gives 1 when ``previous * target > 0``, else 0 -- what the test ``u * draft < previous *
+    target`` accepts."""
+    numerator = previous * target
+    return torch.where(numerator >= draft, (numerator > 0).to(numerator.dtype),
+                       numerator / draft)
+
+
+def weighted_residual(weight: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``max(weight * p - q, 0)`` along the last dimension (NaN stays NaN, never sampled)."""
+    return (weight * p - q).clamp(min=0)
+
+
+def rejection_weight(mass: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``h = R / (R + (1 - w))`` (1 when the denominator is 0): block verification's threshold,
+    and traversal's new ``w`` of a node after one of its children is rejected. ``R + (1 - w)``,
+    not ``(R + 1) - w``: in float ``(R + 1) - 1 != R``."""
+    denominator = mass + (1.0 - weight)
+    return torch.where(denominator > 0, mass / denominator, 1.0)
+
+
+def last_success(passed: torch.Tensor) -> torch.Tensor:
+    """``tau = max({0} u {j : test j passed})`` (1-based) over ``[B, K]``: a later success
+    overrides an earlier failure."""
+    position = torch.arange(1, passed.shape[-1] + 1, device=passed.device)
+    return torch.where(passed, position, 0).amax(-1) if passed.shape[-1] else \
+        torch.zeros(passed.shape[:-1], dtype=torch.int64, device=passed.device)
+
+
+def correction_weights(weight: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The unnormalised law of the token after ``tau < n`` accepted drafts:
+    ``max(w_tau p - q, 0)`` for the rows ``p``, ``q`` at position ``tau + 1`` (``p`` when it has
+    no mass)."""
+    residual = weighted_residual(weight[:, None], p, q)
+    return torch.where((residual > 0).any(-1, keepdim=True), residual, p)
+
+
+class BlockOutcome(NamedTuple):
+    """Block verification's deterministic part, given its uniforms (what the tests inspect)."""
+    num_accepted: torch.Tensor        # [B] int64: tau
+    final_weights: torch.Tensor       # [B, V]: unnormalised law of the correction/bonus token
+    accept_probability: torch.Tensor  # [B, K]: measure of the uniforms passing test j (h_j, w_n)
+    passed: torch.Tensor              # [B, K] bool: test j passed (live drafts only)
 
 
 def chain_outcome(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tensor,
@@ -44,13 +99,67 @@ def chain_outcome(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tens
     return num_accepted, torch.where(use_residual[:, None], residual, p_last)
 
 
+def _one_hot_rows(drafts: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, K, V]`` one-hot at the drafted tokens: a deterministic drafter's q."""
+    return torch.zeros(*drafts.shape, vocab, dtype=dtype, device=drafts.device).scatter_(
+        -1, drafts[..., None], 1.0)
+
+
+def block_outcome(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tensor,
+                  valid: torch.Tensor, greedy: torch.Tensor, u: torch.Tensor) -> BlockOutcome:
+    """Block verification (contract section 12) given its acceptance uniforms ``u`` ``[B, K]``;
+    arguments as :func:`chain_outcome`. The live drafts are the leading valid ones (as the
+    token rule, which stops at the first invalid draft); ``n`` below is their number.
+
+    Per request: ``w_j = min(1, w_{j-1} p_j(d_j) / q_j(d_j))``; test ``j < n`` passes when
+    ``u_j < h_j = R_j / (R_j + 1 - w_j)``, ``R_j = sum(max(w_j p_{j+1} - q_{j+1}, 0))``; test
+    ``n`` when ``u_n q_n(d_n) < w_{n-1} p_n(d_n)`` (``u_n < w_n``, in the token rule's form, so
+    ``n = 1`` does the token rule's float operations); ``tau`` is the last passed test.
+    Greedy requests take :func:`chain_outcome`'s answer.
+    """
+    batch, rows, vocab = p.shape
+    num_drafts = rows - 1
+    live = valid.to(torch.int64).cumprod(-1).bool()
+    num_live = live.sum(-1)
+    q_rows = _one_hot_rows(drafts, vocab, p.dtype) if q is None else q
+    p_draft = p[:, :num_drafts].gather(-1, drafts[..., None])[..., 0]
+    q_draft = q_rows.gather(-1, drafts[..., None])[..., 0]
+
+    weights = [torch.ones(batch, dtype=p.dtype, device=p.device)]  # w_0 .. w_K
+    for j in range(num_drafts):
+        weights.append(sequence_weight(weights[j], p_draft[:, j], q_draft[:, j]))
+    w = torch.stack(weights, 1)  # [B, K+1]
+    # h_j for j < n, from the rows at position j + 1 (one [B, V] pass per position).
+    h = torch.stack([rejection_weight(
+        weighted_residual(w[:, j, None], p[:, j], q_rows[:, j]).sum(-1), w[:, j])
+        for j in range(1, num_drafts)] + [w[:, num_drafts]], 1) if num_drafts else w[:, 1:]
+    last = torch.arange(1, num_drafts + 1, device=p.device) == num_live[:, None]
+    passed = torch.where(last, u * q_draft < w[:, :num_drafts] * p_draft, u < h) & live
+    accept_probability = torch.where(live, torch.where(last, w[:, 1:], h), 0.0)
+    tau = last_success(passed)
+
+    p_tau = p.gather(1, tau[:, None, None].expand(batch, 1, vocab))[:, 0]
+    if num_drafts:
+        row = tau.clamp(max=num_drafts - 1)[:, None, None].expand(batch, 1, vocab)
+        corrected = correction_weights(w.gather(1, tau[:, None])[:, 0], p_tau,
+                                       q_rows.gather(1, row)[:, 0])
+        final = torch.where((tau < num_live)[:, None], corrected, p_tau)
+    else:
+        final = p_tau
+    if bool(greedy.any()):
+        token_accepted, token_weights = chain_outcome(p, q, drafts, valid, greedy, u)
+        tau = torch.where(greedy, token_accepted, tau)
+        final = torch.where(greedy[:, None], token_weights, final)
+    return BlockOutcome(tau, final, accept_probability, passed)
+
+
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  draft_probs: Optional[torch.Tensor], draft_logits: Optional[torch.Tensor],
                  num_draft_tokens: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                  min_p: Optional[torch.Tensor] = None,
                  token_bitmask: Optional[torch.Tensor] = None,
-                 return_logprobs: Optional[str] = None):
+                 return_logprobs: Optional[str] = None, method: str = "token"):
     """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32, logprobs)``,
     ``logprobs`` float32 ``[B, K+1]`` when ``return_logprobs`` is set, else None.
 
@@ -58,6 +167,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     draft ids and ``num_draft_tokens`` outside ``0..K`` (possible with ``validate=False``) are
     treated as rejected drafts and clamped, never read. ``token_bitmask`` ``[B, K+1, W]``
     applies to the target rows only; ``min_p`` to the target and the draft logits.
+    ``method`` is ``"token"`` or ``"block"``.
     """
     batch, rows, vocab = target_logits.shape
     num_drafts = rows - 1
@@ -77,7 +187,10 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     valid = (position < live_drafts[:, None]) & (ids >= 0) & (ids < vocab)
     drafts = torch.where(valid, ids, 0)
     u = _rng.uniform(seed[:, None], offset[:, None], position + 1, _rng.PURPOSE_ACCEPT)
-    num_accepted, weights = chain_outcome(p, q, drafts, valid, temperature == 0, u)
+    if method == "block":
+        num_accepted, weights, _, _ = block_outcome(p, q, drafts, valid, temperature == 0, u)
+    else:
+        num_accepted, weights = chain_outcome(p, q, drafts, valid, temperature == 0, u)
     final_token = race(weights, seed, offset, num_accepted, _rng.PURPOSE_RESAMPLE)
 
     out = torch.full((batch, rows), -1, dtype=torch.int32, device=device)

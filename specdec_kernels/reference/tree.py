@@ -35,9 +35,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _rng
+from .chain import rejection_weight, sequence_weight, weighted_residual
 from .sampling import processed_probs, race, token_logprobs
 
 DRAFT_SAMPLING = ("iid", "without_replacement")
+METHODS = ("token", "traversal")
 
 
 class TreeWalk(NamedTuple):
@@ -182,16 +184,184 @@ def assemble(tree_token_ids: torch.Tensor, accepted_nodes: torch.Tensor,
     return out.to(torch.int32), accepted_nodes.to(torch.int32), num_accepted.to(torch.int32)
 
 
+# --- Traversal verification (contract section 12) ------------------------------------------
+
+def euler_tour(parents: torch.Tensor, reachable: torch.Tensor) -> torch.Tensor:
+    """``[B, 2(N-1)]`` int64: the depth-first tour of each request's tree (children in
+    increasing node index), ``v`` when the walk enters node ``v`` and ``v + N`` when it leaves
+    it (all of ``v``'s subtree done), ``-1`` past the end. Only ``reachable`` nodes take part.
+
+    From subtree sizes and pre-order ranks: node ``v`` is entered at step
+    ``2 pre(v) - depth(v) - 1`` (``pre(v) - 1`` entries and ``pre(v) - depth(v)`` exits before
+    it) and left ``2 size(v) - 1`` steps later.
+    """
+    batch, nodes = parents.shape
+    device = parents.device
+    par = parents.to(torch.int64).clamp(0, nodes - 1)
+    size = reachable.to(torch.int64)
+    size[:, 0] = 1
+    for i in range(nodes - 1, 0, -1):
+        size.scatter_add_(1, par[:, i:i + 1], torch.where(reachable[:, i:i + 1], size[:, i:i + 1], 0))
+    pre = torch.zeros(batch, nodes, dtype=torch.int64, device=device)
+    depth = torch.zeros_like(pre)
+    next_slot = torch.ones_like(pre)  # pre-order rank of the next child, relative to its parent
+    for i in range(1, nodes):
+        parent = par[:, i:i + 1]
+        pre[:, i:i + 1] = pre.gather(1, parent) + next_slot.gather(1, parent)
+        depth[:, i:i + 1] = depth.gather(1, parent) + 1
+        next_slot.scatter_add_(1, parent, torch.where(reachable[:, i:i + 1], size[:, i:i + 1], 0))
+    steps = 2 * (nodes - 1)
+    enter = torch.where(reachable, 2 * pre - depth - 1, steps)
+    leave = torch.where(reachable, enter + 2 * size - 1, steps)
+    node = torch.arange(nodes, device=device).expand(batch, nodes)
+    tour = torch.full((batch, steps + 1), -1, dtype=torch.int64, device=device)
+    tour.scatter_(1, enter, node)
+    tour.scatter_(1, leave, node + nodes)
+    return tour[:, :steps]
+
+
+def reachable_nodes(real: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """Real nodes whose every ancestor is real (a subtree under a node that is not part of the
+    tree -- bad id or parent, with ``validate=False`` -- is cut off with it)."""
+    reach = real.clone()
+    par = parents.to(torch.int64)
+    for i in range(1, real.shape[1]):
+        parent = par[:, i].clamp(0, real.shape[1] - 1)
+        reach[:, i] &= (parent == 0) | reach.gather(1, parent[:, None])[:, 0]
+    return reach
+
+
+def _current_draft(q_raw, q_mass, wor: bool):
+    """The law of a node's next child: ``q`` (i.i.d.) or ``q`` with the drafted-and-rejected
+    tokens removed, renormalised (without replacement; 0 once exhausted)."""
+    if not wor:
+        return q_raw
+    return torch.where(q_mass[..., None] > 0, q_raw / q_mass[..., None], 0.0)
+
+
+def traversal_final_weights(p_raw: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The final token's unnormalised law at the accepted node: its current distribution
+    ``p_raw`` (a residual after a child's rejection; ``p``, its original row, is unused)."""
+    return p_raw
+
+
+def traverse_tree(p: torch.Tensor, q: torch.Tensor, tree_token_ids: torch.Tensor,
+                  parents: torch.Tensor, num_nodes: torch.Tensor, draft_sampling: str,
+                  greedy: torch.Tensor, accept_uniforms: torch.Tensor) -> TreeWalk:
+    """Traversal verification (Weng et al., NeurIPS 2025), arguments as :func:`walk_tree`
+    (``q`` required). Greedy requests take :func:`walk_tree`'s answer.
+
+    The walk follows the depth-first tour: entering node ``v`` sets
+    ``w_v = min(1, w_u P_u(x_v) / Q_u(x_v))`` from its parent ``u``'s current state (the lazy
+    form of "recompute w below u's remaining children": a subtree's w is needed only once the
+    walk enters it). Leaving ``v`` (every child rejected, or none) tests it with ``u_v``:
+    ``u_v < w_v`` after a child's rejection, ``u_v Q_u(x_v) < w_u P_u(x_v)`` otherwise (the
+    same measure, in the token rule's float form). Accepted: emit its path and a sample of
+    ``P_v``. Rejected: ``S = sum(max(w_u P_u - Q_u, 0))``, ``P_u <- norm(max(w_u P_u - Q_u,
+    0))`` (kept when ``S = 0``: then ``w_u`` becomes 0, or the rejection had probability 0),
+    ``w_u <- S / (S + 1 - w_u)``, and without replacement ``x_v`` leaves ``Q_u``. No node
+    accepted: a sample of the root's ``P`` (``w_root`` stays 1: the root is never rejected).
+    ``P`` is kept unnormalised with its mass, as in :func:`walk_tree`, so a chain-shaped tree
+    does block verification's float operations.
+    """
+    batch, nodes, vocab = p.shape
+    device = p.device
+    wor = draft_sampling == "without_replacement"
+    reach = reachable_nodes(real_nodes(tree_token_ids, parents, num_nodes, vocab), parents)
+    par = parents.to(torch.int64).clamp(0, nodes - 1)
+    ids = torch.where(reach, tree_token_ids.to(torch.int64), 0)
+    tour = euler_tour(parents, reach)
+    has_children = torch.zeros(batch, nodes, dtype=torch.int64, device=device).scatter_add_(
+        1, par, reach.to(torch.int64)) > 0
+
+    p_raw = p.clone()
+    p_mass = torch.ones(batch, nodes, dtype=p.dtype, device=device)
+    q_raw = q.to(p.dtype).clone() if wor else q.to(p.dtype)
+    q_mass = torch.ones(batch, nodes, dtype=p.dtype, device=device)
+    w = torch.ones(batch, nodes, dtype=p.dtype, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    tested = torch.zeros(batch, nodes, dtype=torch.bool, device=device)
+    accept_probability = torch.zeros(batch, nodes, dtype=p.dtype, device=device)
+
+    def parent_state(r, v):
+        u = par[r, v]
+        token = ids[r, v]
+        target = p_raw[r, u, token] / p_mass[r, u]
+        draft = _current_draft(q_raw[r, u], q_mass[r, u], wor).gather(-1, token[:, None])[:, 0]
+        return u, token, target, draft
+
+    for step in range(tour.shape[1]):
+        event = tour[:, step]
+        active = (event >= 0) & ~done
+        if not bool(active.any()):
+            continue
+        entering = active & (event < nodes)
+        if bool(entering.any()):
+            r = entering.nonzero()[:, 0]
+            v = event[r]
+            u, _, target, draft = parent_state(r, v)
+            w[r, v] = sequence_weight(w[r, u], target, draft)
+        leaving = active & (event >= nodes)
+        if not bool(leaving.any()):
+            continue
+        r = leaving.nonzero()[:, 0]
+        v = event[r] - nodes
+        u, token, target, draft = parent_state(r, v)
+        uniform = accept_uniforms[r, v]
+        passed = torch.where(has_children[r, v], uniform < w[r, v],
+                             uniform * draft < w[r, u] * target)
+        tested[r, v] = True
+        accept_probability[r, v] = w[r, v]
+        a, rej = r[passed], r[~passed]
+        done[a] = True
+        accepted[a] = v[passed]
+        if len(rej):
+            v_rej, u_rej, token_rej = v[~passed], u[~passed], token[~passed]
+            p_row = p_raw[rej, u_rej] / p_mass[rej, u_rej][:, None]
+            q_row = _current_draft(q_raw[rej, u_rej], q_mass[rej, u_rej], wor)
+            residual = weighted_residual(w[rej, u_rej][:, None], p_row, q_row)
+            mass = residual.sum(-1)
+            has_mass = (residual > 0).any(-1)
+            w[rej, u_rej] = rejection_weight(mass, w[rej, u_rej])
+            p_raw[rej, u_rej] = torch.where(has_mass[:, None], residual, p_raw[rej, u_rej])
+            p_mass[rej, u_rej] = torch.where(has_mass, mass, p_mass[rej, u_rej])
+            if wor:
+                q_mass[rej, u_rej] = q_mass[rej, u_rej] - q_raw[rej, u_rej, token_rej]
+                q_raw[rej, u_rej, token_rej] = 0.0
+
+    # The accepted node's path, root first: its ancestors by parent chasing.
+    up = [accepted]
+    while bool((up[-1] > 0).any()):
+        up.append(torch.where(up[-1] > 0, par.gather(1, up[-1][:, None])[:, 0], 0))
+    up = torch.stack(up, 1)  # [B, L]: the accepted node, its parent, ..., the root, then 0s
+    num_accepted = (up > 0).sum(-1)
+    level = torch.arange(nodes, device=device)
+    source = (num_accepted[:, None] - level).clamp(0, up.shape[1] - 1)
+    path = torch.where(level <= num_accepted[:, None], up.gather(1, source), -1)
+    final = traversal_final_weights(
+        p_raw.gather(1, accepted[:, None, None].expand(batch, 1, vocab))[:, 0],
+        p.gather(1, accepted[:, None, None].expand(batch, 1, vocab))[:, 0])
+    walk = TreeWalk(path, num_accepted, final, tested, accept_probability)
+    if bool(greedy.any()):
+        token_walk = walk_tree(p, q, tree_token_ids, parents, num_nodes, draft_sampling, greedy,
+                               accept_uniforms)
+        walk = TreeWalk(*(torch.where(greedy.view((batch,) + (1,) * (mine.dim() - 1)), theirs, mine)
+                          for mine, theirs in zip(walk, token_walk)))
+    return walk
+
+
 def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, parents: torch.Tensor,
                 draft_probs: Optional[torch.Tensor], draft_sampling: str, num_nodes: torch.Tensor,
                 temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 seed: torch.Tensor, offset: torch.Tensor, min_p: Optional[torch.Tensor] = None,
                 token_bitmask: Optional[torch.Tensor] = None,
-                return_logprobs: Optional[str] = None):
+                return_logprobs: Optional[str] = None, method: str = "token"):
     """Returns ``(output_token_ids [B, N] int32, accepted_nodes [B, N] int32,
     num_accepted [B] int32, logprobs)``, ``logprobs`` float32 ``[B, N]`` when
     ``return_logprobs`` is set, else None. Per-request arguments are ``[B]`` tensors (parsed
-    by the public layer); ``token_bitmask`` ``[B, N, W]``. Computation is in float32 (float64
+    by the public layer); ``token_bitmask`` ``[B, N, W]``; ``method`` ``"token"`` or
+    ``"traversal"`` (which needs ``draft_probs``). Computation is in float32 (float64
     for float64 logits, which the exactness tests use)."""
     batch, nodes, vocab = target_logits.shape
     device = target_logits.device
@@ -201,8 +371,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     node = torch.arange(nodes, device=device)
     # ACCEPT position = the node tested; a chain's draft j is node j.
     u = _rng.uniform(seed[:, None], offset[:, None], node, _rng.PURPOSE_ACCEPT)
-    walk = walk_tree(p, q, tree_token_ids, parents, num_nodes, draft_sampling,
-                     temperature == 0, u)
+    walk = (traverse_tree if method == "traversal" else walk_tree)(
+        p, q, tree_token_ids, parents, num_nodes, draft_sampling, temperature == 0, u)
     # RESAMPLE position = the node whose row the final token is drawn from.
     current = walk.accepted_nodes.gather(1, walk.num_accepted[:, None])[:, 0]
     final_token = race(walk.final_weights, seed, offset, current, _rng.PURPOSE_RESAMPLE)

@@ -17,8 +17,14 @@ Launches, all asynchronous (no host synchronisation, CUDA-graph capturable with 
    then grid B for the reduction of the chunks' winners and the second level (the tokens of
    the winning group).
 
-No kernel of its own: both are in ``stats.py`` and ``race.py`` (their ``COMPILE_SPECS``
-cover the chain).
+``method="block"`` (block verification, contract section 12) adds one launch between the two,
+``block.residual_masses`` (the masses ``R_j``; its header counts the bytes), and the race
+replays block verification's acceptance from them (``race._block_accept``) and samples
+``max(w_tau p - q, 0)``. With ``K <= 1`` or every request greedy, block verification gives
+the token rule's tokens, so those calls take the token path.
+
+No kernel of its own: they are in ``stats.py``, ``race.py`` and ``block.py`` (their
+``COMPILE_SPECS`` cover the chain).
 
 Memory: the stats are ``[B*(K+1), 3]`` float32 + ``[B*(K+1)]`` int32 (and the same for draft
 rows); the race partials ``[B, chunks, 5]``. Nothing grows with ``B*K*V``.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ._launch import last_dim_contiguous, scratch
+from .block import residual_masses
 from .race import Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS, DraftInputs, race
 from .stats import row_stats
 
@@ -35,9 +42,10 @@ from .stats import row_stats
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  draft_probs: torch.Tensor | None, draft_logits: torch.Tensor | None,
                  num_draft_tokens: torch.Tensor, params, seeds: torch.Tensor,
-                 offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 offsets: torch.Tensor, method: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32)``; arguments parsed
-    by the public layer (``num_draft_tokens`` int32 ``[B]``, seeds/offsets int64 ``[B]``)."""
+    by the public layer (``num_draft_tokens`` int32 ``[B]``, seeds/offsets int64 ``[B]``,
+    ``method`` ``"token"`` or ``"block"``)."""
     target_logits = last_dim_contiguous(target_logits)
     batch, rows, vocab = target_logits.shape
     num_drafts = rows - 1  # K
@@ -67,5 +75,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         q_mode = Q_NONE  # no draft: the race is a bonus sample of p
     drafts = DraftInputs(draft_ids, num_draft_tokens.to(torch.int32).contiguous(), num_accepted,
                          q_mode, q, q_stats)
+    if method == "block" and num_drafts >= 2 and not params.all_greedy:
+        masses, chunks = residual_masses(target_logits, stats, drafts, params)
+        drafts = drafts._replace(masses=masses, mass_chunks=chunks)
     race(target_logits, stats, params, seeds, offsets, out, drafts)
     return out, num_accepted

@@ -49,11 +49,12 @@ def _race_prob(x, x_base, x_thr, inv_norm, scale):
 
 @triton.jit
 def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
-                  q_base, q_thr, q_inv_norm, draft_token,
+                  q_base, q_thr, q_inv_norm, draft_token, p_weight,
                   Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
     """The race's weights at tokens ``offs`` (``mask`` None for a full tile): ``(p, w, nan)``
-    with ``w`` the residual ``max(p - q, 0)`` and ``nan`` where ``p - q`` is NaN when
-    RESIDUAL, else ``w = p`` (never NaN). Masked-off tokens weigh 0."""
+    with ``w`` the residual ``max(p_weight * p - q, 0)`` (``p_weight``: block verification's
+    ``w_tau``, else 1, which multiplies exactly) and ``nan`` where it is NaN when RESIDUAL,
+    else ``w = p`` (never NaN). Masked-off tokens weigh 0."""
     x = load_logits(row_ptr, offs, mask)
     p = _race_prob(x, x_base, x_thr, inv_norm, scale)
     if RESIDUAL:
@@ -66,25 +67,25 @@ def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
                 q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:  # Q_LOGITS
             q = _race_prob(load_logits(q_ptr, offs, mask), q_base, q_thr, q_inv_norm, scale)
-        diff = p - q
+        diff = p_weight * p - q
         return p, tl.where(diff > 0, diff, 0.0), diff != diff
     return p, p, p != p  # never NaN
 
 
 @triton.jit
 def _group_step(row_ptr, q_ptr, offs, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-                q_inv_norm, draft_token, lane_p, lane_r, lane_nan, MASKED: tl.constexpr,
-                Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+                q_inv_norm, draft_token, p_weight, lane_p, lane_r, lane_nan,
+                MASKED: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
     """One tile of ``_race_groups``: adds the tile's weights to the per-lane sums."""
     p, w, nan = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None,
                               x_base, x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm,
-                              draft_token, Q_MODE, RESIDUAL)
+                              draft_token, p_weight, Q_MODE, RESIDUAL)
     return lane_p + p, lane_r + w, tl.maximum(lane_nan, nan.to(tl.int32))
 
 
 @triton.jit
 def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
-                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position,
+                 q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, position,
                  PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """First level of the race (``_rng``: two-level race) over the token groups in
@@ -109,13 +110,13 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
         for start in range(group_start, full_end, BLOCK):
             lane_p, lane_r, lane_nan = _group_step(
                 row_ptr, q_ptr, start + tl.arange(0, BLOCK), group_end, x_base, x_thr,
-                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, lane_p, lane_r,
-                lane_nan, False, Q_MODE, RESIDUAL)
+                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, p_weight, lane_p,
+                lane_r, lane_nan, False, Q_MODE, RESIDUAL)
         if full_end < group_end:
             lane_p, lane_r, lane_nan = _group_step(
                 row_ptr, q_ptr, full_end + tl.arange(0, BLOCK), group_end, x_base, x_thr,
-                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, lane_p, lane_r,
-                lane_nan, True, Q_MODE, RESIDUAL)
+                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, p_weight, lane_p,
+                lane_r, lane_nan, True, Q_MODE, RESIDUAL)
         group = group_start // GROUP
         noise = trng.group_noise(seed, offset, position, PURPOSE, group)
         mass_p = tl.sum(lane_p, axis=0)
@@ -133,14 +134,14 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
 
 @triton.jit
 def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-                q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx,
+                q_inv_norm, draft_token, p_weight, seed, offset, position, lane_best, lane_idx,
                 MASKED: tl.constexpr, PURPOSE: tl.constexpr, Q_MODE: tl.constexpr,
                 RESIDUAL: tl.constexpr, QUADS: tl.constexpr):
     """One ``[QUADS, 4]`` tile of ``_race_tokens``: per-lane winners, strict ``>``."""
     offs = quad_offsets(start, QUADS)
     _, w, _ = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None, x_base,
                             x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token,
-                            Q_MODE, RESIDUAL)
+                            p_weight, Q_MODE, RESIDUAL)
     noise = trng.token_noise(seed, offset, position, PURPOSE, start // 4, QUADS)
     score = tl.where(w > 0, w / noise, -1.0)
     take = score > lane_best
@@ -149,7 +150,7 @@ def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_
 
 @triton.jit
 def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
-                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position,
+                 q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, position,
                  PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """Second level of the race: ``argmax w_i / E_i`` over the tokens of ``group`` (lowest id
@@ -169,13 +170,13 @@ def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
     for start in range(start_v, full_end, BLOCK):
         lane_best, lane_idx = _token_step(
             row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, False,
-            PURPOSE, Q_MODE, RESIDUAL, QUADS)
+            q_inv_norm, draft_token, p_weight, seed, offset, position, lane_best, lane_idx,
+            False, PURPOSE, Q_MODE, RESIDUAL, QUADS)
     if full_end < end_v:
         lane_best, lane_idx = _token_step(
             row_ptr, q_ptr, full_end, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, True,
-            PURPOSE, Q_MODE, RESIDUAL, QUADS)
+            q_inv_norm, draft_token, p_weight, seed, offset, position, lane_best, lane_idx,
+            True, PURPOSE, Q_MODE, RESIDUAL, QUADS)
     best, idx = tile_best(lane_best, lane_idx)
     return tl.where(best >= 0, idx, -1)
 
@@ -189,6 +190,37 @@ def _num_draft_tokens(num_draft_tokens_ptr, req, K):
 
 
 @triton.jit
+def _draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr,
+                 argmax_ptr, q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K,
+                 Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+                 STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
+                 Q_STATS_CHUNKS_P2: tl.constexpr):
+    """Draft ``j`` (0-based) of request ``req``: ``(token, valid, p_j(d_j), q_j(d_j), x_max,
+    argmax)``, ``valid`` when it is live and its id in ``[0, V)`` (else token 0, nothing read
+    through). Reads the id, 16 B of stats, one target logit and one draft probability, or one
+    draft logit and 12 B of its stats (12 B per chunk where ``row_stats`` left partials)."""
+    live = j64 < num_draft_tokens
+    draft = tl.load(ids_row + j64, mask=live, other=0).to(tl.int64)
+    valid = live & (draft >= 0) & (draft < V)
+    token = tl.where(valid, draft, 0)
+    x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * (K + 1) + j64,
+                                                valid, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
+    p = processed_prob(load_logits(logits_row + j64 * stride_row, token, valid),
+                       x_max, x_thr, norm, scale)
+    if Q_MODE == Q_PROBS:
+        q = tl.load(q_row + j64 * stride_q_row + token, mask=valid, other=0.0).to(tl.float32)
+    elif Q_MODE == Q_LOGITS:
+        q_max, q_thr, q_norm, _ = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + j64,
+                                                 valid, scale, Q_STATS_CHUNKS,
+                                                 Q_STATS_CHUNKS_P2)
+        q = processed_prob(load_logits(q_row + j64 * stride_q_row, token, valid),
+                           q_max, q_thr, q_norm, scale)
+    else:  # Q_ONE_HOT
+        q = tl.full([], 1.0, tl.float32)
+    return token, valid, p, q, x_max, argmax
+
+
+@triton.jit
 def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
                    q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
                    stride_ids, num_draft_tokens, greedy, scale, seed, offset, V, K,
@@ -197,12 +229,10 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
                    Q_STATS_CHUNKS_P2: tl.constexpr):
     """The chain's acceptance loop for request ``req`` (contract section 3): returns
     ``(num_accepted, rejected)``, ``rejected`` when a live, in-range draft was rejected (its
-    residual is sampled next). Reads, per live draft, the id, 16 B of stats, one target
-    logit and one draft probability, or one draft logit and 12 B of its stats (12 B per
-    chunk where ``row_stats`` left partials). Out-of-range ids (validate=False) are rejected
-    without being read through, and leave no residual: they were never drawn from q. The
-    loads of all ``num_draft_tokens`` drafts are issued whatever the verdicts (at most ~30 B per
-    draft past the first rejection)."""
+    residual is sampled next). Reads ``_draft_terms`` per live draft. Out-of-range ids
+    (validate=False) are rejected without being read through, and leave no residual: they
+    were never drawn from q. The loads of all ``num_draft_tokens`` drafts are issued whatever
+    the verdicts (at most ~30 B per draft past the first rejection)."""
     ids_row = draft_ids_ptr + req.to(tl.int64) * stride_ids
     logits_row = logits_ptr + req.to(tl.int64) * stride_req
     q_row = q_ptr + req.to(tl.int64) * stride_q_req
@@ -213,24 +243,10 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
         j64 = tl.zeros([], tl.int64) + j  # the interpreter's loop index is a Python int
         # Loads do not wait for the previous draft's verdict (a few bytes more past the first
         # rejection, but one memory latency for the loop instead of one per draft).
-        live = j < num_draft_tokens
-        draft = tl.load(ids_row + j, mask=live, other=0).to(tl.int64)
-        valid = live & (draft >= 0) & (draft < V)
-        token = tl.where(valid, draft, 0)
-        x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * (K + 1) + j,
-                                                    valid, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
-        p = processed_prob(load_logits(logits_row + j64 * stride_row, token, valid),
-                           x_max, x_thr, norm, scale)
-        if Q_MODE == Q_PROBS:
-            q = tl.load(q_row + j64 * stride_q_row + token, mask=valid, other=0.0).to(tl.float32)
-        elif Q_MODE == Q_LOGITS:
-            q_max, q_thr, q_norm, _ = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + j,
-                                                     valid, scale, Q_STATS_CHUNKS,
-                                                     Q_STATS_CHUNKS_P2)
-            q = processed_prob(load_logits(q_row + j64 * stride_q_row, token, valid),
-                               q_max, q_thr, q_norm, scale)
-        else:  # Q_ONE_HOT
-            q = tl.full([], 1.0, tl.float32)
+        token, valid, p, q, x_max, argmax = _draft_terms(
+            req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
+            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, Q_MODE, STATS_CHUNKS,
+            STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
         u = trng.uniform(seed, offset, j64 + 1, trng.PURPOSE_ACCEPT, tl.zeros([], tl.int32))
         # Greedy p is one-hot at the arg-max (zero everywhere on a row with no finite logit).
         greedy_ok = (token == argmax) & (x_max > float("-inf"))
@@ -239,6 +255,94 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
         accepting = accepting & accepted
         num_accepted += accepting.to(tl.int32)
     return num_accepted, rejected
+
+
+# ------------------------------------------------------------------------- block verification
+
+@triton.jit
+def sequence_weight(previous, target, draft):
+    """``min(1, previous * target / draft)``, block and traversal verification's capped
+    cumulative ratio, in ``reference.chain.sequence_weight``'s operations (a draft
+    probability of 0 gives 1 when ``previous * target > 0``, else 0)."""
+    numerator = previous * target
+    # (0 is replaced only to keep the unused division quiet; NaN stays NaN, as in torch)
+    return tl.where(numerator >= draft, tl.where(numerator > 0.0, 1.0, 0.0),
+                    tl.math.div_rn(numerator, tl.where(draft == 0.0, 1.0, draft)))
+
+
+@triton.jit
+def rejection_weight(mass, weight):
+    """``R / (R + (1 - w))``, 1 when the denominator is 0 (``reference.chain``)."""
+    denominator = mass + (1.0 - weight)
+    return tl.where(denominator > 0.0,
+                    tl.math.div_rn(mass, tl.where(denominator > 0.0, denominator, 1.0)), 1.0)
+
+
+@triton.jit
+def prefix_weight(req, count, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr,
+                  argmax_ptr, q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K,
+                  Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+                  STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
+                  Q_STATS_CHUNKS_P2: tl.constexpr):
+    """``(w_count, live)``: block verification's weight after the first ``count`` drafts, and
+    whether all of them are live and in range (``count`` gathers of ``_draft_terms``)."""
+    weight = tl.full([], 1.0, tl.float32)
+    live = tl.full([], 1, tl.int1)
+    for i in range(0, count):
+        i64 = tl.zeros([], tl.int64) + i
+        _, valid, p, q, _, _ = _draft_terms(
+            req, i64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
+            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, Q_MODE, STATS_CHUNKS,
+            STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+        live = live & valid
+        weight = sequence_weight(weight, p, q)
+    return weight, live
+
+
+@triton.jit
+def _block_accept(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
+                  q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
+                  stride_ids, mass_ptr, num_draft_tokens, scale, seed, offset, V, K,
+                  Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+                  STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
+                  Q_STATS_CHUNKS_P2: tl.constexpr, MASS_CHUNKS: tl.constexpr,
+                  MASS_CHUNKS_P2: tl.constexpr):
+    """Block verification's acceptance (contract section 12; ``reference.chain.block_outcome``)
+    for a sampled request: ``(tau, rejected, w_tau)``. The live drafts are the leading valid
+    ones (``n`` of them); test ``j < n`` is ``u_j < h_j = R_j / (R_j + 1 - w_j)`` with ``R_j``
+    summed from ``block.residual_masses``' partials in chunk order, test ``n`` is
+    ``u_n q_n(d_n) < w_{n-1} p_n(d_n)``; ``tau`` is the last passed test. Reads
+    ``_draft_terms`` per draft, the next draft's id, and ``MASS_CHUNKS * 4`` B per draft."""
+    ids_row = draft_ids_ptr + req.to(tl.int64) * stride_ids
+    logits_row = logits_ptr + req.to(tl.int64) * stride_req
+    q_row = q_ptr + req.to(tl.int64) * stride_q_req
+    live = tl.full([], 1, tl.int1)
+    weight = tl.full([], 1.0, tl.float32)
+    tau = tl.full([], 0, tl.int32)
+    tau_weight = tl.full([], 1.0, tl.float32)
+    num_live = tl.full([], 0, tl.int32)
+    chunks = tl.arange(0, MASS_CHUNKS_P2)
+    for j in range(0, K):
+        j64 = tl.zeros([], tl.int64) + j
+        _, valid, p, q, _, _ = _draft_terms(
+            req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
+            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, Q_MODE, STATS_CHUNKS,
+            STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+        live = live & valid
+        previous = weight
+        weight = sequence_weight(previous, p, q)
+        next_id = tl.load(ids_row + j64 + 1, mask=j64 + 1 < num_draft_tokens,
+                          other=-1).to(tl.int64)
+        last = live & ~((next_id >= 0) & (next_id < V))
+        has_mass = (chunks < MASS_CHUNKS) & (j64 < K - 1)
+        mass = tl.sum(tl.load(mass_ptr + (req.to(tl.int64) * (K - 1) + j64) * MASS_CHUNKS
+                              + chunks, mask=has_mass, other=0.0), axis=0)
+        u = trng.uniform(seed, offset, j64 + 1, trng.PURPOSE_ACCEPT, tl.zeros([], tl.int32))
+        passed = live & tl.where(last, u * q < previous * p, u < rejection_weight(mass, weight))
+        tau = tl.where(passed, j + 1, tau)
+        tau_weight = tl.where(passed, weight, tau_weight)
+        num_live += live.to(tl.int32)
+    return tau, tau < num_live, tau_weight
 
 
 @triton.jit
@@ -281,13 +385,14 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr,
                  draft_ids_ptr, stride_ids, num_draft_tokens_ptr, num_accepted_ptr,
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
-                 part_score_ptr, part_index_ptr, V, K, chunk_size,
+                 part_score_ptr, part_index_ptr, mass_ptr, V, K, chunk_size,
                  PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
                  STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                  Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
                  GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                 K_P2: tl.constexpr):
+                 K_P2: tl.constexpr, BLOCK_METHOD: tl.constexpr, MASS_CHUNKS: tl.constexpr,
+                 MASS_CHUNKS_P2: tl.constexpr):
     """One correction/bonus (chain) or sample token per request, by the two-level race over
     row ``num_accepted`` (chain) or 0 of the request.
 
@@ -315,15 +420,36 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     scale = exp2_scale(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
+    # Block verification (BLOCK_METHOD, sampled requests): the residual is
+    # max(w_tau p - q, 0); p_weight is 1 otherwise (an exact multiply).
+    p_weight = tl.full([], 1.0, tl.float32)
     if STAGE == STAGE_TOKENS:
         num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_tokens_ptr,
                                               draft_ids_ptr, stride_ids, V, K, IS_CHAIN)
+        if BLOCK_METHOD:
+            if ~greedy:
+                p_weight, _ = prefix_weight(
+                    req, num_accepted, _num_draft_tokens(num_draft_tokens_ptr, req, K),
+                    draft_ids_ptr + req.to(tl.int64) * stride_ids,
+                    logits_ptr + req.to(tl.int64) * stride_req, stride_row, stats_ptr,
+                    argmax_ptr, q_ptr + req.to(tl.int64) * stride_q_req, stride_q_row,
+                    q_stats_ptr, q_argmax_ptr, scale, V, K, Q_MODE, STATS_CHUNKS,
+                    STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
     elif IS_CHAIN:
+        num_draft_tokens = _num_draft_tokens(num_draft_tokens_ptr, req, K)
         num_accepted, rejected = _accept_drafts(
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
             stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr, stride_ids,
-            _num_draft_tokens(num_draft_tokens_ptr, req, K), greedy, scale, seed, offset, V, K,
+            num_draft_tokens, greedy, scale, seed, offset, V, K,
             Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+        if BLOCK_METHOD:
+            if ~greedy:  # greedy requests keep the token rule's answer (section 12)
+                num_accepted, rejected, p_weight = _block_accept(
+                    req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr,
+                    stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
+                    stride_ids, mass_ptr, num_draft_tokens, scale, seed, offset, V, K, Q_MODE,
+                    STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2,
+                    MASS_CHUNKS, MASS_CHUNKS_P2)
         if STAGE == STAGE_GROUPS:
             if chunk == 0:  # the token itself follows from STAGE_TOKENS
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
@@ -388,12 +514,12 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
             if (Q_MODE != Q_NONE) and use_residual:
                 best_p, group_p, best_r, group_r, has_nan = _race_groups(
                     row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
-                    q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                    q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
                     PURPOSE, Q_MODE, True, GROUP, MASS_BLOCK)
             else:
                 best_p, group_p, best_r, group_r, has_nan = _race_groups(
                     row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
-                    q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                    q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
                     PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK)
         if STAGE == STAGE_GROUPS:
             part = req * NUM_CHUNKS + chunk
@@ -414,12 +540,12 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                 if has_nan == 0:
                     token = _race_tokens(
                         row_ptr, q_row_ptr, group_r, V, x_base, x_thr, inv_norm, scale,
-                        q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                        q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
                         PURPOSE, Q_MODE, True, GROUP, BLOCK)
             elif best_p >= 0:
                 token = _race_tokens(
                     row_ptr, q_row_ptr, group_p, V, x_base, x_thr, inv_norm, scale,
-                    q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
+                    q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
                     PURPOSE, Q_MODE, False, GROUP, BLOCK)
         if IS_CHAIN:
             if STAGE == STAGE_BOTH:
@@ -466,6 +592,9 @@ class DraftInputs(NamedTuple):
     q_mode: int                     # Q_ONE_HOT, Q_PROBS or Q_LOGITS; Q_NONE when K = 0
     q: torch.Tensor | None = None   # [B, K, V] draft_probs (Q_PROBS) or draft_logits (Q_LOGITS)
     q_stats: RowStats | None = None  # row_stats of the draft logits (Q_LOGITS)
+    # Block verification: ``block.residual_masses``' partials [B, K-1, chunks] and chunks.
+    masses: torch.Tensor | None = None
+    mass_chunks: int = 1
 
 
 def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
@@ -496,12 +625,15 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
             q, q_strides[0], q_strides[1], q_stats.stats, q_stats.argmax,
             drafts.token_ids, drafts.token_ids.stride(0), drafts.num_draft_tokens,
             drafts.num_accepted, params.temperature, seeds, offsets, out, out.stride(0),
-            part_score, part_index, vocab, num_drafts, chunk)
+            part_score, part_index, drafts.masses if drafts.masses is not None else dummy_f,
+            vocab, num_drafts, chunk)
     constexprs = dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                       IS_CHAIN=is_chain, Q_MODE=int(drafts.q_mode), NUM_CHUNKS=num_chunks,
                       CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
                       BLOCK=block, K_P2=next_pow2(num_drafts + 1), **stats.constexprs(),
-                      **q_stats.constexprs("Q_"), **launch_options(device, 4))
+                      **q_stats.constexprs("Q_"), BLOCK_METHOD=drafts.masses is not None,
+                      MASS_CHUNKS=drafts.mass_chunks, MASS_CHUNKS_P2=next_pow2(drafts.mass_chunks),
+                      **launch_options(device, 4))
     if num_chunks == 1:
         _race_kernel[(batch, 1)](*args, STAGE=int(STAGE_BOTH), **constexprs)
     else:
@@ -512,7 +644,8 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
 # ----------------------------------------------------------------------------- compile registry
 
 def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True,
-               stage: int | None = None, stats_chunks: int = 1, q_stats_chunks: int = 1) -> dict:
+               stage: int | None = None, stats_chunks: int = 1, q_stats_chunks: int = 1,
+               block_method: bool = False, mass_chunks: int = 1) -> dict:
     q_mode = int(q_mode)
     mode = ["p", "one_hot", "draft_probs", "draft_logits"][q_mode]
     stage = int(stage if stage is not None else STAGE_BOTH if chunks == 1 else STAGE_GROUPS)
@@ -521,7 +654,7 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
         (f",q_stats_chunks={q_stats_chunks}" if q_stats_chunks > 1 else "")
     return dict(
         name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}"
-             f"{stats_name}]",
+             f"{stats_name}{',block' if block_method else ''}]",
         kernel=_race_kernel,
         signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
                        rows_per_req="i32", stats_ptr="*fp32", argmax_ptr="*i32",
@@ -530,14 +663,16 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                        stride_ids="i32", num_draft_tokens_ptr="*i32", num_accepted_ptr="*i32",
                        temperature_ptr="*fp32",
                        seed_ptr="*i64", offset_ptr="*i64", out_ptr="*i32", stride_out="i32",
-                       part_score_ptr="*fp32", part_index_ptr="*i32", V="i32", K="i32",
-                       chunk_size="i32"),
+                       part_score_ptr="*fp32", part_index_ptr="*i32", mass_ptr="*fp32",
+                       V="i32", K="i32", chunk_size="i32"),
         constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                         IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
                         CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,
                         STATS_CHUNKS_P2=next_pow2(stats_chunks), Q_STATS_CHUNKS=q_stats_chunks,
                         Q_STATS_CHUNKS_P2=next_pow2(q_stats_chunks), GROUP=_rng.RACE_GROUP,
-                        MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1),
+                        MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1,
+                        BLOCK_METHOD=block_method, MASS_CHUNKS=mass_chunks,
+                        MASS_CHUNKS_P2=next_pow2(mass_chunks)),
         num_warps=4, maxnreg=MAX_REGISTERS)
 
 
@@ -553,4 +688,7 @@ COMPILE_SPECS = [
     _race_spec("bf16", "fp32", Q_PROBS, 8, stage=STAGE_TOKENS, stats_chunks=4),
     _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
                q_stats_chunks=4),
+    _race_spec("bf16", "fp32", Q_PROBS, 8, stats_chunks=4, block_method=True, mass_chunks=4),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
+               q_stats_chunks=4, block_method=True, mass_chunks=4),
 ]
