@@ -129,11 +129,10 @@ FLAG_ARGS = {
 BAD_FLAGS = {
     "return_logprobs": (st.sampled_from(["logits", "Raw", True, 1]), ValueError),
 }
-# Verification methods per op (contract section 12). When branch `block` lands, one line:
-#   METHODS.update(verify_chain=("token", "block"), verify_chain_packed=("token", "block"),
-#                  verify_tree=("token", "traversal"))
-# (the builder passes "traversal" only with draft_probs, which it requires).
-METHODS = {"verify_chain": ("token",), "verify_chain_packed": ("token",), "verify_tree": ("token",)}
+# Verification methods per op (contract section 12); the builder passes "traversal" only with
+# draft_probs, which it requires.
+METHODS = {"verify_chain": ("token", "block"), "verify_chain_packed": ("token", "block"),
+           "verify_tree": ("token", "traversal")}
 BAD_METHOD = (st.sampled_from(["Token", "blocks", "", 0]), ValueError)
 
 
