@@ -90,13 +90,18 @@ struct ChainArgs {
   const void* target = nullptr;
   Dtype target_dtype = Dtype::kFloat32;
   const int32_t* bitmask = nullptr;  // [B, K+1, W] or null
-  const int64_t* draft_ids = nullptr;  // [B, K]
+  const int64_t* draft_ids = nullptr;  // [B, K] (packed: [T])
   const int32_t* num_draft_tokens = nullptr;  // [B], clamped to 0..K
   const void* draft_probs = nullptr;  // [B, K, V] or null
   Dtype draft_probs_dtype = Dtype::kFloat32;
   const void* draft_logits = nullptr;  // [B, K, V] or null
   Dtype draft_logits_dtype = Dtype::kFloat32;
   RequestParams params{};
+  // Packed layout (verify_chain_packed): the row of target position j of request b is
+  // target_rows[b * (K+1) + j] (also the bitmask's row), its draft (id, probs/logits row)
+  // draft_rows[b * K + j], read only for j < num_draft_tokens[b]. Null: the padded layout.
+  const int64_t* target_rows = nullptr;
+  const int64_t* draft_rows = nullptr;
   int32_t* output_token_ids = nullptr;  // [B, K+1]
   int32_t* num_accepted = nullptr;      // [B]
 };

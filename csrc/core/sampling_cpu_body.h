@@ -453,6 +453,7 @@ SPECDEC_INLINE RaceResult race(const W& weight, int64_t vocab, const Stream& str
 }
 
 // ---- the ops ----
+constexpr int64_t kMaxDraftsOnStack = 64;
 SPECDEC_INLINE size_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
 
 SPECDEC_INLINE const void* row_pointer(const void* base, Dtype dtype, int64_t row, int64_t vocab) {
@@ -590,14 +591,28 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     const bool greedy = filters.temperature == 0.0f;
     int64_t n = a.num_draft_tokens[b];
     n = n < 0 ? 0 : (n > num_drafts ? num_drafts : n);
-    const int64_t* ids = a.draft_ids + b * num_drafts;
-    auto valid = [&](int64_t j) { return j < n && ids[j] >= 0 && ids[j] < vocab; };
+    auto target_row = [&](int64_t j) {
+      return a.target_rows ? a.target_rows[b * rows + j] : b * rows + j;
+    };
+    auto draft_row = [&](int64_t j) {  // j < n only
+      return a.draft_rows ? a.draft_rows[b * num_drafts + j] : b * num_drafts + j;
+    };
+    int64_t ids[kMaxDraftsOnStack];
+    std::vector<int64_t> ids_heap;
+    int64_t* id = ids;
+    if (n > kMaxDraftsOnStack) {
+      ids_heap.resize(n);
+      id = ids_heap.data();
+    }
+    for (int64_t j = 0; j < n; ++j) id[j] = a.draft_ids[draft_row(j)];
+    auto valid = [&](int64_t j) { return j < n && id[j] >= 0 && id[j] < vocab; };
     auto target_view = [&](int64_t j) {
-      return RowView{row_pointer(a.target, a.target_dtype, b * rows + j, vocab), a.target_dtype,
-                     vocab, a.bitmask ? a.bitmask + (b * rows + j) * mask_words : nullptr};
+      const int64_t r = target_row(j);
+      return RowView{row_pointer(a.target, a.target_dtype, r, vocab), a.target_dtype, vocab,
+                     a.bitmask ? a.bitmask + r * mask_words : nullptr};
     };
     auto draft_view = [&](int64_t j) {
-      return RowView{row_pointer(a.draft_logits, a.draft_logits_dtype, b * num_drafts + j, vocab),
+      return RowView{row_pointer(a.draft_logits, a.draft_logits_dtype, draft_row(j), vocab),
                      a.draft_logits_dtype, vocab, nullptr};
     };
     Filters draft_filters = filters;
@@ -605,7 +620,7 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     int64_t stats_row = -1, draft_stats_row = -1;
     int64_t accepted = 0;
     for (; accepted < num_drafts && valid(accepted); ++accepted) {
-      const int64_t j = accepted, d = ids[j];
+      const int64_t j = accepted, d = id[j];
       stats = view_stats(target_view(j), filters, scratch);
       stats_row = j;
       const float p_draft = view_prob(target_view(j), stats, d);
@@ -615,7 +630,7 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
       } else {
         float q_draft = 1.0f;
         if (a.draft_probs != nullptr) {
-          q_draft = raw_element(a.draft_probs, a.draft_probs_dtype, (b * num_drafts + j) * vocab + d);
+          q_draft = raw_element(a.draft_probs, a.draft_probs_dtype, draft_row(j) * vocab + d);
         } else if (a.draft_logits != nullptr) {
           draft_stats = view_stats(draft_view(j), draft_filters, scratch);
           draft_stats_row = j;
@@ -632,12 +647,11 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
                         kPurposeResample);
     int32_t final_token;
     if (!greedy && accepted < num_drafts && valid(accepted)) {  // rejected: the residual
-      Residual residual{Residual::kOneHot, ids[accepted], nullptr, Dtype::kFloat32, RowView{},
+      Residual residual{Residual::kOneHot, id[accepted], nullptr, Dtype::kFloat32, RowView{},
                         RowStats{}};
       if (a.draft_probs != nullptr) {
         residual.kind = Residual::kProbs;
-        residual.q = row_pointer(a.draft_probs, a.draft_probs_dtype, b * num_drafts + accepted,
-                                 vocab);
+        residual.q = row_pointer(a.draft_probs, a.draft_probs_dtype, draft_row(accepted), vocab);
         residual.q_dtype = a.draft_probs_dtype;
       } else if (a.draft_logits != nullptr) {
         residual.kind = Residual::kLogits;
@@ -651,7 +665,7 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
       final_token = race_probs(target_view(accepted), stats, stream);
     }
     int32_t* out = a.output_token_ids + b * rows;
-    for (int64_t j = 0; j < rows; ++j) out[j] = j < accepted ? static_cast<int32_t>(ids[j]) : -1;
+    for (int64_t j = 0; j < rows; ++j) out[j] = j < accepted ? static_cast<int32_t>(id[j]) : -1;
     out[accepted] = final_token;
     a.num_accepted[b] = static_cast<int32_t>(accepted);
   }

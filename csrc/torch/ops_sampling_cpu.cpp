@@ -8,7 +8,9 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
+#include <vector>
 
 #include "sampling_cpu.h"
 
@@ -80,20 +82,21 @@ int64_t grain(int64_t rows_per_request, int64_t vocab) {
   return work >= 16384 ? 1 : 16384 / (work > 0 ? work : 1);
 }
 
-std::tuple<at::Tensor, at::Tensor> cpu_verify_chain(
+// Both layouts: target [R, V] rows, drafts [D] / [D, V]; row indices (packed) or null.
+std::tuple<at::Tensor, at::Tensor> run_chain(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
-    const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
-    const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
+    const at::Tensor* target_rows, const at::Tensor* draft_rows, int64_t batch,
+    int64_t num_drafts, const at::Tensor& num_draft_tokens, const at::Tensor& temperature,
+    const at::Tensor& top_k, const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
     const at::Tensor& offset) {
-  TORCH_CHECK(target_logits.dim() == 3, "target_logits must be [B, K+1, V], got ",
-              target_logits.sizes());
-  const int64_t batch = target_logits.size(0), rows = target_logits.size(1),
-                vocab = target_logits.size(2), num_drafts = rows - 1;
-  TORCH_CHECK(rows >= 1 && vocab >= 1, "target_logits must be [B, K+1, V] with K >= 0, V >= 1");
-  check_cpu(target_logits, "target_logits", {batch, rows, vocab});
-  check_cpu(draft_token_ids, "draft_token_ids", {batch, num_drafts});
+  const int64_t vocab = target_logits.size(-1), rows = num_drafts + 1;
+  TORCH_CHECK(vocab >= 1, "target_logits must have V >= 1");
+  const int64_t target_count = target_logits.numel() / vocab;
+  const int64_t draft_count = draft_token_ids.numel();
+  check_cpu(target_logits, "target_logits", target_logits.sizes());
+  check_cpu(draft_token_ids, "draft_token_ids", draft_token_ids.sizes());
   const at::Tensor target = target_logits.contiguous();
   const at::Tensor ids = draft_token_ids.to(at::kLong).contiguous();
   const at::Tensor n = small(num_draft_tokens, "num_draft_tokens", batch, at::kInt);
@@ -104,21 +107,48 @@ std::tuple<at::Tensor, at::Tensor> cpu_verify_chain(
   args.vocab = vocab;
   args.target = target.data_ptr();
   args.target_dtype = dtype_of(target, "target_logits");
-  at::Tensor bitmask;
-  args.bitmask = bitmask_of(token_bitmask, {batch, rows}, vocab, bitmask);
+  at::Tensor bitmask, target_index, draft_index;
+  args.bitmask = bitmask_of(token_bitmask, target_logits.sizes().slice(0, target_logits.dim() - 1),
+                            vocab, bitmask);
+  if (target_rows != nullptr) {  // packed: every index in range (memory safety)
+    check_cpu(*target_rows, "target_rows", {batch, rows});
+    check_cpu(*draft_rows, "draft_rows", {batch, num_drafts});
+    target_index = target_rows->to(at::kLong).contiguous();
+    draft_index = draft_rows->to(at::kLong).contiguous();
+    TORCH_CHECK(target_index.numel() == 0 || (target_index.min().item<int64_t>() >= 0 &&
+                                              target_index.max().item<int64_t>() < target_count),
+                "target_rows out of range");
+    TORCH_CHECK(draft_index.numel() == 0 || (draft_index.min().item<int64_t>() >= 0 &&
+                                             draft_index.max().item<int64_t>() <= draft_count),
+                "draft_rows out of range");
+    const int32_t* counts = n.data_ptr<int32_t>();
+    const int64_t* d = draft_index.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t j = 0; j < std::min<int64_t>(std::max<int32_t>(counts[b], 0), num_drafts); ++j) {
+        TORCH_CHECK(d[b * num_drafts + j] < draft_count, "draft_rows: a live draft's row >= T");
+      }
+    }
+    args.target_rows = target_index.data_ptr<int64_t>();
+    args.draft_rows = draft_index.data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(target_count == batch * rows && draft_count == batch * num_drafts,
+                "target_logits [B, K+1, V] and draft_token_ids [B, K] disagree");
+  }
   args.draft_ids = ids.data_ptr<int64_t>();
   args.num_draft_tokens = n.data_ptr<int32_t>();
   at::Tensor probs, logits;
   TORCH_CHECK(!(draft_probs.has_value() && draft_logits.has_value()),
               "draft_probs and draft_logits are exclusive");
+  std::vector<int64_t> draft_shape(draft_token_ids.sizes().begin(), draft_token_ids.sizes().end());
+  draft_shape.push_back(vocab);
   if (draft_probs.has_value()) {
-    check_cpu(*draft_probs, "draft_probs", {batch, num_drafts, vocab});
+    check_cpu(*draft_probs, "draft_probs", draft_shape);
     probs = draft_probs->contiguous();
     args.draft_probs = probs.data_ptr();
     args.draft_probs_dtype = dtype_of(probs, "draft_probs");
   }
   if (draft_logits.has_value()) {
-    check_cpu(*draft_logits, "draft_logits", {batch, num_drafts, vocab});
+    check_cpu(*draft_logits, "draft_logits", draft_shape);
     logits = draft_logits->contiguous();
     args.draft_logits = logits.data_ptr();
     args.draft_logits_dtype = dtype_of(logits, "draft_logits");
@@ -131,6 +161,38 @@ std::tuple<at::Tensor, at::Tensor> cpu_verify_chain(
   at::parallel_for(0, batch, grain(rows, vocab),
                    [&](int64_t begin, int64_t end) { cpu::verify_chain(args, begin, end); });
   return {out, accepted};
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_verify_chain(
+    const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
+    const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
+    const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
+    const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
+    const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
+    const at::Tensor& offset) {
+  TORCH_CHECK(target_logits.dim() == 3 && target_logits.size(1) >= 1,
+              "target_logits must be [B, K+1, V], got ", target_logits.sizes());
+  const int64_t batch = target_logits.size(0), num_drafts = target_logits.size(1) - 1;
+  check_cpu(draft_token_ids, "draft_token_ids", {batch, num_drafts});
+  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, nullptr, nullptr,
+                   batch, num_drafts, num_draft_tokens, temperature, top_k, top_p, min_p,
+                   token_bitmask, seed, offset);
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_verify_chain_packed(
+    const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
+    const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
+    const at::Tensor& target_rows, const at::Tensor& draft_rows,
+    const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
+    const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
+    const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
+    const at::Tensor& offset) {
+  TORCH_CHECK(target_logits.dim() == 2 && draft_token_ids.dim() == 1 && target_rows.dim() == 2,
+              "packed: target_logits [T+B, V], draft_token_ids [T], target_rows [B, K+1]");
+  const int64_t batch = target_rows.size(0), num_drafts = target_rows.size(1) - 1;
+  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, &target_rows,
+                   &draft_rows, batch, num_drafts, num_draft_tokens, temperature, top_k, top_p,
+                   min_p, token_bitmask, seed, offset);
 }
 
 at::Tensor cpu_sample(const at::Tensor& logits, const at::Tensor& temperature,
@@ -222,6 +284,11 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "Tensor top_p, Tensor? min_p, Tensor? token_bitmask, Tensor seed, Tensor offset) "
       "-> (Tensor, Tensor)");
   m.def(
+      "cpu_verify_chain_packed(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
+      "Tensor? draft_logits, Tensor target_rows, Tensor draft_rows, Tensor num_draft_tokens, "
+      "Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, Tensor? token_bitmask, "
+      "Tensor seed, Tensor offset) -> (Tensor, Tensor)");
+  m.def(
       "cpu_sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, "
       "Tensor? token_bitmask, Tensor seed, Tensor offset) -> Tensor");
   m.def(
@@ -234,6 +301,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("cpu_verify_chain", &cpu_verify_chain);
+  m.impl("cpu_verify_chain_packed", &cpu_verify_chain_packed);
   m.impl("cpu_sample", &cpu_sample);
   m.impl("cpu_processed_probs", &cpu_processed_probs);
   m.impl("cpu_random_words", &cpu_random_words);
