@@ -14,6 +14,7 @@ from specdec_kernels import _cpu, _params, _rng
 from specdec_kernels.reference import sampling as ref_sampling
 
 from conftest import mixed_params
+from test_chain_exactness import ALPHA, MODES, _chi_square, _context_free_round
 
 pytestmark = pytest.mark.skipif(not _cpu.AVAILABLE, reason="the extension is not built")
 
@@ -198,3 +199,21 @@ def test_processed_probs_close_to_reference(dtype):
     support_differs = ((got > 0) != (want > 0)).any(-1).sum()
     assert int(support_differs) <= MAX_DIFFERING * batch * 2
     assert float((got - want).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cpp_chain_tokens_follow_target(mode):
+    """The C++ chain's law: chi-square of the first emitted token and of the token after one
+    accepted draft, 120k requests, alpha = 1e-4 per test, power >= 0.99 against any law at
+    TV >= 0.02 for the first token (test_chain_exactness's statistic; its planted bug shows the
+    statistic fails on a wrong residual)."""
+    batch = 120_000
+    out, p, _ = _context_free_round(mode, (0.8, 4, 0.9), batch, backend="auto")
+    tokens, accepted = out.output_token_ids.long(), out.num_accepted.long()
+    for j in (0, 1):
+        reached = accepted >= j
+        pvalue, power = _chi_square(torch.bincount(tokens[reached, j], minlength=p.shape[-1]),
+                                    p[j])
+        assert pvalue > ALPHA, (j, pvalue)
+        if j == 0:
+            assert power >= 0.99

@@ -188,21 +188,16 @@ struct Keep {
 };
 SPECDEC_INLINE Keep keep_of(const RowStats& s) { return Keep{s.x_max, s.temperature, s.z_lo, s.e_tau}; }
 
+// The largest logit, as the largest key: an integer max reduction vectorises (a float one
+// needs -ffast-math); -inf for a row with no finite logit.
 template <class R>
 SPECDEC_INLINE float row_max(const R& row) {
-  float lane_max[kLanes];
-  for (int l = 0; l < kLanes; ++l) lane_max[l] = -kInf;
-  int64_t i = 0;
-  for (; i + kLanes <= row.vocab; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const float x = row(i + l);
-      lane_max[l] = x > lane_max[l] ? x : lane_max[l];
-    }
+  uint32_t best = 0;
+  for (int64_t i = 0; i < row.vocab; ++i) {
+    const uint32_t key = sort_key(row(i));
+    best = key > best ? key : best;
   }
-  float best = -kInf;
-  for (; i < row.vocab; ++i) best = row(i) > best ? row(i) : best;
-  for (int l = 0; l < kLanes; ++l) best = lane_max[l] > best ? lane_max[l] : best;
-  return best;
+  return key_value(best);
 }
 
 // Sum of weight(i) over [begin, end) (per-lane partial sums, then the lanes in order).
