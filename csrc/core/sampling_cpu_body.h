@@ -200,18 +200,45 @@ SPECDEC_INLINE float row_max(const R& row) {
   return key_value(best);
 }
 
-// Sum of weight(i) over [begin, end) (per-lane partial sums, then the lanes in order).
+// Sum of weight(i) over [begin, end), and whether one is > 0. Blocks of weights go to a
+// local buffer first (a plain store loop, which vectorises whatever weight() is), then into
+// 16 per-lane sums (in a fixed order: the same sum on every build).
+constexpr int64_t kBlock = 256;
+struct BlockSum {
+  float sum;
+  bool any_positive;
+};
 template <class W>
-SPECDEC_INLINE float lane_sum(const W& weight, int64_t begin, int64_t end) {
-  float lane[kLanes] = {};
+SPECDEC_INLINE BlockSum block_sum(const W& weight, int64_t begin, int64_t end) {
+  float lane[kLanes] = {}, positive[kLanes] = {};
+  float buffer[kBlock];
   int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lane[l] += weight(i + l);
+  for (; i + kBlock <= end; i += kBlock) {
+    for (int64_t j = 0; j < kBlock; ++j) buffer[j] = weight(i + j);
+    for (int64_t j = 0; j < kBlock; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        lane[l] += buffer[j + l];
+        positive[l] = buffer[j + l] > 0.0f ? 1.0f : positive[l];
+      }
+    }
   }
   float total = 0.0f;
-  for (; i < end; ++i) total += weight(i);
-  for (int l = 0; l < kLanes; ++l) total += lane[l];
-  return total;
+  bool any_positive = false;
+  for (; i < end; ++i) {
+    const float w = weight(i);
+    total += w;
+    any_positive |= w > 0.0f;
+  }
+  for (int l = 0; l < kLanes; ++l) {
+    total += lane[l];
+    any_positive |= positive[l] != 0.0f;
+  }
+  return BlockSum{total, any_positive};
+}
+
+template <class W>
+SPECDEC_INLINE float lane_sum(const W& weight, int64_t begin, int64_t end) {
+  return block_sum(weight, begin, end).sum;
 }
 
 // ---- the threshold search (radix over keys, no sort) ----
@@ -361,7 +388,7 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
       keep = keep_of(s);
     }
   }
-  s.norm = lane_sum([&](int64_t i) SPECDEC_INLINE_LAMBDA { return keep.weight(row(i)); }, 0,
+  s.norm = lane_sum([keep, row](int64_t i) SPECDEC_INLINE_LAMBDA { return keep.weight(row(i)); }, 0,
                     vocab);
   return s;
 }
@@ -397,26 +424,9 @@ SPECDEC_INLINE RaceResult race(const W& weight, int64_t vocab, const Stream& str
   for (int64_t g = 0; g < num_groups; ++g) {
     const int64_t begin = g * kRaceGroup;
     const int64_t end = begin + kRaceGroup < vocab ? begin + kRaceGroup : vocab;
-    float lane_mass[kLanes] = {};
-    float lane_positive[kLanes] = {};
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const float w = weight(i + l);
-        lane_mass[l] += w;
-        lane_positive[l] = w > 0.0f ? 1.0f : lane_positive[l];
-      }
-    }
-    float mass = 0.0f;
-    for (; i < end; ++i) {
-      const float w = weight(i);
-      mass += w;
-      any_positive |= w > 0.0f;
-    }
-    for (int l = 0; l < kLanes; ++l) {
-      mass += lane_mass[l];
-      any_positive |= lane_positive[l] != 0.0f;
-    }
+    const BlockSum group = block_sum(weight, begin, end);
+    const float mass = group.sum;
+    any_positive |= group.any_positive;
     any_nan |= mass != mass;
     if (mass > 0.0f) {
       const uint32_t index = kGroupIndexBase + static_cast<uint32_t>(g);
