@@ -204,10 +204,10 @@ def test_processed_probs_close_to_reference(dtype):
 @pytest.mark.parametrize("mode", MODES)
 def test_cpp_chain_tokens_follow_target(mode):
     """The C++ chain's law: chi-square of the first emitted token and of the token after one
-    accepted draft, 120k requests, alpha = 1e-4 per test, power >= 0.99 against any law at
+    accepted draft, 60k requests, alpha = 1e-4 per test, power >= 0.99 against any law at
     TV >= 0.02 for the first token (test_chain_exactness's statistic; its planted bug shows the
     statistic fails on a wrong residual)."""
-    batch = 120_000
+    batch = 60_000
     out, p, _ = _context_free_round(mode, (0.8, 4, 0.9), batch, backend="auto")
     tokens, accepted = out.output_token_ids.long(), out.num_accepted.long()
     for j in (0, 1):

@@ -465,6 +465,13 @@ SPECDEC_INLINE const void* row_pointer(const void* base, Dtype dtype, int64_t ro
   return static_cast<const char*>(base) + static_cast<size_t>(row * vocab) * element_size(dtype);
 }
 
+// Row `row` of [R, V] logits and of their [R, ceil(V/32)] bitmask (or none).
+SPECDEC_INLINE RowView logits_row(const void* base, Dtype dtype, int64_t row, int64_t vocab,
+                                  const int32_t* bitmask) {
+  return RowView{row_pointer(base, dtype, row, vocab), dtype, vocab,
+                 bitmask ? bitmask + row * ((vocab + 31) / 32) : nullptr};
+}
+
 SPECDEC_INLINE float raw_element(const void* base, Dtype dtype, int64_t index) {
   switch (dtype) {
     case Dtype::kFloat32:
@@ -589,7 +596,6 @@ SPECDEC_INLINE int32_t race_residual(const RowView& view, const RowStats& s,
 
 SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t end) {
   const int64_t num_drafts = a.num_drafts, vocab = a.vocab, rows = num_drafts + 1;
-  const int64_t mask_words = (vocab + 31) / 32;
   Scratch scratch;
   for (int64_t b = begin; b < end; ++b) {
     const Filters filters = a.params.filters(b);
@@ -612,9 +618,7 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     for (int64_t j = 0; j < n; ++j) id[j] = a.draft_ids[draft_row(j)];
     auto valid = [&](int64_t j) { return j < n && id[j] >= 0 && id[j] < vocab; };
     auto target_view = [&](int64_t j) {
-      const int64_t r = target_row(j);
-      return RowView{row_pointer(a.target, a.target_dtype, r, vocab), a.target_dtype, vocab,
-                     a.bitmask ? a.bitmask + r * mask_words : nullptr};
+      return logits_row(a.target, a.target_dtype, target_row(j), vocab, a.bitmask);
     };
     auto draft_view = [&](int64_t j) {
       return RowView{row_pointer(a.draft_logits, a.draft_logits_dtype, draft_row(j), vocab),
@@ -677,11 +681,9 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
 }
 
 SPECDEC_INLINE void sample_body(const SampleArgs& a, int64_t begin, int64_t end) {
-  const int64_t mask_words = (a.vocab + 31) / 32;
   Scratch scratch;
   for (int64_t b = begin; b < end; ++b) {
-    const RowView view{row_pointer(a.logits, a.dtype, b, a.vocab), a.dtype, a.vocab,
-                       a.bitmask ? a.bitmask + b * mask_words : nullptr};
+    const RowView view = logits_row(a.logits, a.dtype, b, a.vocab, a.bitmask);
     const RowStats stats = view_stats(view, a.params.filters(b), scratch);
     const Stream stream(a.params.seed[b], a.params.offset[b], 0, kPurposeSample);
     a.tokens[b] = race_probs(view, stats, stream);
@@ -689,11 +691,9 @@ SPECDEC_INLINE void sample_body(const SampleArgs& a, int64_t begin, int64_t end)
 }
 
 SPECDEC_INLINE void processed_probs_body(const ProbsArgs& a, int64_t begin, int64_t end) {
-  const int64_t mask_words = (a.vocab + 31) / 32;
   Scratch scratch;
   for (int64_t r = begin; r < end; ++r) {
-    const RowView view{row_pointer(a.logits, a.dtype, r, a.vocab), a.dtype, a.vocab,
-                       a.bitmask ? a.bitmask + r * mask_words : nullptr};
+    const RowView view = logits_row(a.logits, a.dtype, r, a.vocab, a.bitmask);
     const RowStats s = view_stats(view, a.params.filters(r / a.rows_per_request), scratch);
     float* out = a.probs + r * a.vocab;
     if (!s.has_finite || s.greedy) {

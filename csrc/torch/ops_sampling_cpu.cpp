@@ -76,6 +76,17 @@ const int32_t* bitmask_of(const std::optional<at::Tensor>& bitmask, at::IntArray
   return owned.data_ptr<int32_t>();
 }
 
+// The fields SampleArgs and ProbsArgs share: [rows, V] logits, their bitmask, parameters.
+template <class Args>
+void set_logits(Args& args, const at::Tensor& x, int64_t vocab, const int32_t* bitmask,
+                const Params& params) {
+  args.vocab = vocab;
+  args.logits = x.data_ptr();
+  args.dtype = dtype_of(x, "logits");
+  args.bitmask = bitmask;
+  args.params = params.view();
+}
+
 // Requests per task: enough work per task to amortise the thread hand-off.
 int64_t grain(int64_t rows_per_request, int64_t vocab) {
   const int64_t work = rows_per_request * vocab;
@@ -208,12 +219,8 @@ at::Tensor cpu_sample(const at::Tensor& logits, const at::Tensor& temperature,
   const Params params = params_of(batch, temperature, top_k, top_p, min_p, seed, offset);
   cpu::SampleArgs args;
   args.batch = batch;
-  args.vocab = vocab;
-  args.logits = x.data_ptr();
-  args.dtype = dtype_of(x, "logits");
   at::Tensor bitmask;
-  args.bitmask = bitmask_of(token_bitmask, {batch}, vocab, bitmask);
-  args.params = params.view();
+  set_logits(args, x, vocab, bitmask_of(token_bitmask, {batch}, vocab, bitmask), params);
   at::Tensor tokens = at::empty({batch}, x.options().dtype(at::kInt));
   args.tokens = tokens.data_ptr<int32_t>();
   at::parallel_for(0, batch, grain(1, vocab),
@@ -237,12 +244,8 @@ at::Tensor cpu_processed_probs(const at::Tensor& logits, const at::Tensor& tempe
   cpu::ProbsArgs args;
   args.rows = rows;
   args.rows_per_request = rows / batch;
-  args.vocab = vocab;
-  args.logits = x.data_ptr();
-  args.dtype = dtype_of(x, "logits");
   at::Tensor bitmask;
-  args.bitmask = bitmask_of(token_bitmask, {rows}, vocab, bitmask);
-  args.params = params.view();
+  set_logits(args, x, vocab, bitmask_of(token_bitmask, {rows}, vocab, bitmask), params);
   at::Tensor probs = at::empty({rows, vocab}, x.options().dtype(at::kFloat));
   args.probs = probs.data_ptr<float>();
   at::parallel_for(0, rows, grain(1, vocab),
