@@ -46,7 +46,10 @@ def _extension():
     sources = [
         "csrc/core/tree_attention.cpp",
         "csrc/core/kv_cache.cpp",
+        "csrc/core/sampling_cpu.cpp",
+        "csrc/core/sampling_cpu_avx512.cpp",
         "csrc/torch/ops.cpp",
+        "csrc/torch/ops_sampling_cpu.cpp",
         "csrc/torch/module.cpp",
     ]
     include_dirs = [str(ROOT / "csrc" / "core"), str(ROOT / "csrc" / "torch")]

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ALL_OPS = ("chain", "tree", "sample", "mask", "compact", "extension", "model")
+ALL_OPS = ("chain", "tree", "sample", "mask", "compact", "cpu", "extension", "model")
 PRESETS = ("quick", "cpu", "gpu", "gpu_check")
 
 

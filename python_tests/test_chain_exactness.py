@@ -213,7 +213,7 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor):
 
 
 def _context_free_round(mode: str, params, batch: int, vocab: int = 6, num_drafts: int = 3,
-                        seed: int = 0, method: str = "token"):
+                        seed: int = 0, method: str = "token", backend: str = "reference"):
     """Sample one verify round for ``batch`` requests sharing context-free rows: target row j
     is fixed, drafts are drawn with ``sk.sample`` from their q with the verifier's seed (the
     streams are disjoint) and one offset per draft position, as a drafter's steps would.
@@ -240,7 +240,7 @@ def _context_free_round(mode: str, params, batch: int, vocab: int = 6, num_draft
         q = torch.zeros(num_drafts, vocab).scatter_(-1, draft.argmax(-1, keepdim=True), 1.0)
         drafts = draft.argmax(-1).expand(batch, num_drafts)
     out = sk.verify_chain(target.expand(batch, num_drafts + 1, vocab), drafts, seed=seeds,
-                          offset=offsets, method=method, backend="reference", **draft_kw, **kw)
+                          offset=offsets, method=method, backend=backend, **draft_kw, **kw)
     p = sk.processed_probs(target, **kw)
     return out, p, q
 

@@ -258,20 +258,22 @@ _CORRECT_PROBS = ref_sampling.processed_probs
 BUGS = {"min_p": _min_p_after_top_p, "bitmask": _bitmask_one_word_off}
 
 
-def _sample_counts(feature: str, draws: int):
+def _sample_counts(feature: str, draws: int, backend: str = "auto"):
     x = _law_logits()[0]
     seeds = torch.arange(draws)
     if feature == "min_p":
-        tokens = sk.sample(x.expand(draws, -1), seed=seeds, offset=9, **MIN_P_PARAMS)
+        tokens = sk.sample(x.expand(draws, -1), seed=seeds, offset=9, backend=backend,
+                           **MIN_P_PARAMS)
         want = _oracle_row(x, **MIN_P_PARAMS)
     else:
         mask = bitmask_of(LAW_ALLOWED[0]).expand(draws, -1)
-        tokens = sk.sample(x.expand(draws, -1), seed=seeds, offset=9, token_bitmask=mask)
+        tokens = sk.sample(x.expand(draws, -1), seed=seeds, offset=9, token_bitmask=mask,
+                           backend=backend)
         want = _oracle_row(x, LAW_ALLOWED[0])
     return torch.bincount(tokens.long(), minlength=LAW_VOCAB), want
 
 
-def _chain_counts(feature: str, batch: int, position: int):
+def _chain_counts(feature: str, batch: int, position: int, backend: str = "auto"):
     """A verify round over context-free rows, drafts sampled from q = the draft's own
     processed distribution (draft logits: min_p applies to them too; never the bitmask)."""
     x = _law_logits()
@@ -282,8 +284,8 @@ def _chain_counts(feature: str, batch: int, position: int):
     mask = None
     if feature == "bitmask":
         mask = bitmask_of(LAW_ALLOWED).expand(batch, 4, -1)
-    drafts = torch.stack([sk.sample(draft[j].expand(batch, -1), seed=seeds, offset=3 + j, **kw)
-                          for j in range(3)], 1)
+    drafts = torch.stack([sk.sample(draft[j].expand(batch, -1), seed=seeds, offset=3 + j,
+                                    backend=backend, **kw) for j in range(3)], 1)
     out = sk.verify_chain(target, drafts, draft_logits=draft.expand(batch, 3, LAW_VOCAB),
                           seed=seeds, offset=3, token_bitmask=mask, backend="reference", **kw)
     tokens, accepted = out.output_token_ids.long(), out.num_accepted.long()
@@ -317,9 +319,10 @@ def test_verify_chain_law(feature):
 def test_laws_catch_planted_bugs(monkeypatch, feature):
     monkeypatch.setattr(ref_sampling, "processed_probs", BUGS[feature])
     monkeypatch.setattr(ref_chain, "processed_probs", BUGS[feature])
-    counts, want = _sample_counts(feature, 40_000)
+    # The bug is planted in the reference, so every draw takes it (auto would run C++ on CPU).
+    counts, want = _sample_counts(feature, 40_000, backend="reference")
     assert _chi_square_rejects(counts, want), f"sample: missed the planted {feature} bug"
-    counts, want = _chain_counts(feature, 40_000, 0)
+    counts, want = _chain_counts(feature, 40_000, 0, backend="reference")
     assert _chi_square_rejects(counts, want), f"verify_chain: missed the planted {feature} bug"
 
 

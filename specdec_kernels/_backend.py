@@ -5,6 +5,7 @@ accelerated backend: the Triton kernels for ``sample``/``verify_chain``/``verify
 (``"triton"``), the compiled extension ``specdec_kernels._C`` for tree attention and the KV
 cache (``"extension"``). ``"auto"`` picks the accelerated one where it runs (Triton: CUDA
 tensors; the extension: where it has a kernel for the device) and the reference elsewhere.
+On CPU tensors, ``_cpu`` then swaps in the C++ CPU path for the ``"auto"`` calls it covers.
 """
 from __future__ import annotations
 

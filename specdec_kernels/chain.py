@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _backend, _params
+from . import _backend, _cpu, _params
 from ._params import PerRequest
 from .reference import chain as _reference
 
@@ -63,7 +63,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
         seed, offset: per request, as in :func:`sample`; the acceptance uniforms and the
             correction noise are separate Philox streams keyed by them.
         method: ``"token"`` (default) or ``"block"``.
-        backend: ``"auto"`` (Triton for CUDA tensors, reference for CPU tensors),
+        backend: ``"auto"`` (Triton for CUDA tensors, the C++ CPU path for CPU tensors where
+            it covers the call, else the reference),
             ``"reference"`` or ``"triton"`` (CPU tensors need ``TRITON_INTERPRET=1``).
         validate: check ids, lengths and parameter values (reads only those small tensors).
         token_bitmask: allowed tokens of each target row (a grammar's mask, xgrammar's
@@ -119,7 +120,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                       num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs,
-                      method=method)
+                      method=method, cpp=_cpu.selected(backend, device))
 
 
 @_backend.on_input_device
@@ -211,7 +212,8 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                       layout.num_draft_tokens, params, seeds, offsets, token_bitmask,
-                      return_logprobs, layout=layout, method=method)
+                      return_logprobs, layout=layout, method=method,
+                      cpp=_cpu.selected(backend, device))
 
 
 class PackedLayout(NamedTuple):
@@ -258,9 +260,15 @@ def _check_drafts(draft_probs, draft_logits, shape, what: str, device) -> None:
 
 def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs,
-               layout: Optional[PackedLayout] = None, method: str = "token") -> ChainVerifyOutput:
+               layout: Optional[PackedLayout] = None, method: str = "token",
+               cpp: bool = False) -> ChainVerifyOutput:
     """The parsed call on its backend; ``layout``: the inputs are packed; ``method``: token or
-    block verification (the one internal entry point of both layouts)."""
+    block verification (the one internal entry point of both layouts); ``cpp``: the C++ CPU
+    path where it covers the call (``_cpu``: token verification)."""
+    if cpp and method == "token" and _cpu.runs_chain(target_logits, draft_probs, return_logprobs):
+        return ChainVerifyOutput(*_cpu.verify_chain(
+            target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens, params,
+            seeds, offsets, token_bitmask, layout))
     if layout is not None:  # the reference of the packed layout is the padded one (its definition)
         target_logits, draft_token_ids, draft_probs, draft_logits, token_bitmask = \
             padded_inputs(layout, target_logits, draft_token_ids, draft_probs, draft_logits,

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _backend, _params
+from . import _backend, _cpu, _params
 from ._params import PerRequest
 from .reference import sampling as _reference
 
@@ -95,7 +95,8 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
         seed: int or ``(batch_size,)`` int64 tensor; None draws one per request from torch's
             default generator.
         offset: int or ``(batch_size,)`` int64 tensor (per-step counter); default 0.
-        backend: ``"auto"`` (Triton on CUDA, reference on CPU), ``"reference"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA, the C++ CPU path on CPU where it covers the call,
+            else the reference), ``"reference"`` or ``"triton"``.
         validate: check parameter values (reads only the small tensors).
         token_bitmask: as in :func:`processed_probs`. Shape ``(batch_size,
             ceil(vocab_size / 32))``; int32.
@@ -134,6 +135,8 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
         from .chain import _triton_features_missing
         _triton_features_missing(params, token_bitmask, return_logprobs)
         return _triton.sample(logits, params, seeds, offsets)
+    if _cpu.selected(backend, logits.device) and _cpu.runs_sample(logits, return_logprobs):
+        return _cpu.sample(logits, params, seeds, offsets, token_bitmask)
     result = _reference.sample(logits, params.temperature, params.top_k, params.top_p, seeds,
                                offsets, params.min_p, token_bitmask, return_logprobs)
     return result if return_logprobs is None else SampleOutput(*result)

@@ -18,6 +18,7 @@ OP_MODULES = {
     "sample": "bench.ops.sample",
     "mask": "bench.ops.mask",
     "compact": "bench.ops.compact",
+    "cpu": "bench.ops.cpu",
 }
 
 

@@ -1,0 +1,132 @@
+// The CPU path of sample / verify_chain / processed_probs (torch-free): the reference's
+// definition (specdec_kernels/reference/) computed row by row, in the logits' own dtype.
+//
+// A processed row is described by a few numbers (RowStats): x_max, argmax, the z-threshold
+// z_lo of top-k and min-p (z = x / T), the e-threshold e_tau of top-p (e = exp((x - x_max)/T))
+// and norm = sum of the kept e; p_i = e_i / norm on kept tokens. The thresholds are values of
+// the row found by a radix search over order-preserving keys (histograms, no sort). The race is
+// the two-level exponential race of _rng.py on the same Philox-4x32-10 words.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace specdec {
+namespace cpu {
+
+// ---- randomness (specdec_kernels/_rng.py) ----
+constexpr uint32_t kPurposeAccept = 0, kPurposeResample = 1, kPurposeSample = 2;
+constexpr uint32_t kRaceGroup = 2048;
+constexpr uint32_t kGroupIndexBase = 1u << 31;
+
+struct Words {
+  uint32_t w[4];
+};
+// Philox-4x32-10 of counter (c0..c3) and key (k0, k1).
+Words philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1);
+// Word index % 4 of counter index / 4 of the stream (seed, offset, position, purpose).
+uint32_t random_word(int64_t seed, int64_t offset, uint32_t position, uint32_t purpose,
+                     uint32_t index);
+// float32 min(max(rn(word), 1/2), 2**32 - 256) * 2**-32.
+float word_uniform(uint32_t word);
+// -log1p(-u) by Goldberg's formula (u itself where 1 - u rounds to 1).
+float uniform_noise(float u);
+
+// ---- rows ----
+enum class Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct Filters {
+  float temperature = 1.0f;  // 0: greedy
+  int32_t top_k = 0;         // 0 or >= V: off
+  float top_p = 1.0f;        // 1: off
+  float min_p = 0.0f;        // 0: off
+};
+
+struct RowStats {
+  bool has_finite = false;
+  bool greedy = false;
+  float x_max = 0.0f;
+  int64_t argmax = -1;  // lowest id among the largest logits
+  float temperature = 1.0f;
+  float z_lo = 0.0f;   // keep x / T >= z_lo (top-k, min-p; -inf: no cut)
+  float e_tau = 0.0f;  // keep e >= e_tau (top-p; 0: no cut)
+  float norm = 1.0f;   // sum of the kept e
+};
+
+// A row of V logits in its own dtype; bitmask (int32 words, bit v % 32 of word v / 32) or null.
+struct RowView {
+  const void* data = nullptr;
+  Dtype dtype = Dtype::kFloat32;
+  int64_t vocab = 0;
+  const int32_t* bitmask = nullptr;
+};
+
+// Scratch of one worker: the search's candidate list (grows with V only).
+struct Scratch {
+  std::vector<uint32_t> keys;
+  std::vector<float> weights;
+  std::vector<double> hist;
+};
+
+RowStats row_stats(const RowView& row, const Filters& filters, Scratch& scratch);
+
+
+// p_i of one token.
+float row_prob(const RowView& row, const RowStats& stats, int64_t token);
+
+// ---- ops: one call handles requests [begin, end) ----
+struct RequestParams {
+  const float* temperature;  // [B]
+  const int32_t* top_k;      // [B]
+  const float* top_p;        // [B]
+  const float* min_p;        // [B] or null
+  const int64_t* seed;       // [B]
+  const int64_t* offset;     // [B]
+  Filters filters(int64_t b) const;
+};
+
+struct ChainArgs {
+  int64_t batch = 0, num_drafts = 0, vocab = 0;  // target [B, K+1, V]
+  const void* target = nullptr;
+  Dtype target_dtype = Dtype::kFloat32;
+  const int32_t* bitmask = nullptr;  // [B, K+1, W] or null
+  const int64_t* draft_ids = nullptr;  // [B, K] (packed: [T])
+  const int32_t* num_draft_tokens = nullptr;  // [B], clamped to 0..K
+  const void* draft_probs = nullptr;  // [B, K, V] or null
+  Dtype draft_probs_dtype = Dtype::kFloat32;
+  const void* draft_logits = nullptr;  // [B, K, V] or null
+  Dtype draft_logits_dtype = Dtype::kFloat32;
+  RequestParams params{};
+  // Packed layout (verify_chain_packed): the row of target position j of request b is
+  // target_rows[b * (K+1) + j] (also the bitmask's row), its draft (id, probs/logits row)
+  // draft_rows[b * K + j], read only for j < num_draft_tokens[b]. Null: the padded layout.
+  const int64_t* target_rows = nullptr;
+  const int64_t* draft_rows = nullptr;
+  int32_t* output_token_ids = nullptr;  // [B, K+1]
+  int32_t* num_accepted = nullptr;      // [B]
+};
+void verify_chain(const ChainArgs& args, int64_t begin, int64_t end);
+
+struct SampleArgs {
+  int64_t batch = 0, vocab = 0;
+  const void* logits = nullptr;
+  Dtype dtype = Dtype::kFloat32;
+  const int32_t* bitmask = nullptr;  // [B, W] or null
+  RequestParams params{};
+  int32_t* tokens = nullptr;  // [B]
+};
+void sample(const SampleArgs& args, int64_t begin, int64_t end);
+
+// processed_probs of rows [begin, end) of logits [R, V]; row r uses request r / rows_per_request.
+struct ProbsArgs {
+  int64_t rows = 0, rows_per_request = 1, vocab = 0;
+  const void* logits = nullptr;
+  Dtype dtype = Dtype::kFloat32;
+  const int32_t* bitmask = nullptr;  // [R, W] or null
+  RequestParams params{};
+  float* probs = nullptr;  // [R, V]
+};
+void processed_probs(const ProbsArgs& args, int64_t begin, int64_t end);
+
+}  // namespace cpu
+}  // namespace specdec

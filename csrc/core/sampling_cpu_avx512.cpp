@@ -1,0 +1,24 @@
+// The CPU sampling path compiled for AVX-512 (16 floats per instruction); sampling_cpu.cpp
+// calls it when the processor has AVX-512F/BW/VL (checked at run time).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "sampling_cpu.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+#pragma GCC optimize("fp-contract=off")  // the same roundings as the baseline build
+namespace specdec {
+namespace cpu {
+namespace avx512 {
+#include "sampling_cpu_impl.h"
+}  // namespace avx512
+}  // namespace cpu
+}  // namespace specdec
+#pragma GCC pop_options
+#endif

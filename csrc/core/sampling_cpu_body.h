@@ -1,0 +1,709 @@
+// The bodies of the CPU sampling path (sampling_cpu.h), compiled once per instruction set:
+// sampling_cpu.cpp (baseline x86-64 / any target) and sampling_cpu_avx512.cpp (AVX-512, chosen
+// at run time). Included inside namespace SPECDEC_ISA; every helper is inline so that it is
+// compiled with the including file's target. The streaming loops keep 16 accumulators (one
+// per lane) so that the compiler vectorises them without reassociating a float sum.
+//
+// Not a public header: the including file has included <cmath>, <cstdint>, <cstring>,
+// <limits>, <type_traits>, <vector> and sampling_cpu.h.
+
+#define SPECDEC_INLINE inline __attribute__((always_inline))
+#define SPECDEC_INLINE_LAMBDA __attribute__((always_inline))
+
+constexpr int kLanes = 16;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+SPECDEC_INLINE float bits_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+SPECDEC_INLINE uint32_t float_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  return bits;
+}
+
+// ---- randomness ----
+SPECDEC_INLINE void philox_round(uint32_t c[4], uint32_t k0, uint32_t k1) {
+  const uint64_t product0 = static_cast<uint64_t>(0xD2511F53u) * c[0];
+  const uint64_t product1 = static_cast<uint64_t>(0xCD9E8D57u) * c[2];
+  const uint32_t c1 = c[1], c3 = c[3];
+  c[0] = static_cast<uint32_t>(product1 >> 32) ^ c1 ^ k0;
+  c[1] = static_cast<uint32_t>(product1);
+  c[2] = static_cast<uint32_t>(product0 >> 32) ^ c3 ^ k1;
+  c[3] = static_cast<uint32_t>(product0);
+}
+
+SPECDEC_INLINE Words philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                            uint32_t k1) {
+  uint32_t c[4] = {c0, c1, c2, c3};
+  for (int round = 0; round < 10; ++round) {
+    philox_round(c, k0, k1);
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return Words{{c[0], c[1], c[2], c[3]}};
+}
+
+// One request's stream: key = seed, counter = (index / 4, position | purpose << 16, offset).
+struct Stream {
+  uint32_t c1, c2, c3, k0, k1;
+  Stream(int64_t seed, int64_t offset, uint32_t position, uint32_t purpose)
+      : c1((position & 0xFFFFu) | (purpose << 16)),
+        c2(static_cast<uint32_t>(static_cast<uint64_t>(offset))),
+        c3(static_cast<uint32_t>(static_cast<uint64_t>(offset) >> 32)),
+        k0(static_cast<uint32_t>(static_cast<uint64_t>(seed))),
+        k1(static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32)) {}
+  SPECDEC_INLINE Words counter(uint32_t c0) const { return philox(c0, c1, c2, c3, k0, k1); }
+  SPECDEC_INLINE uint32_t word(uint32_t index) const { return counter(index >> 2).w[index & 3]; }
+};
+
+SPECDEC_INLINE float uniform_of(uint32_t word) {
+  float value = static_cast<float>(word);  // IEEE round to nearest even
+  value = value < 0.5f ? 0.5f : value;
+  value = value > 4294967040.0f ? 4294967040.0f : value;  // 2**32 - 256
+  return value * 2.3283064365386963e-10f;                  // 2**-32, exact
+}
+
+SPECDEC_INLINE float noise_of(float u) {
+  const float y = 1.0f - u;
+  if (y == 1.0f) return u;
+  return -std::log(y) * (u / (1.0f - y));
+}
+
+// ---- element loads: NaN and +-inf read as -inf (never sampled) ----
+SPECDEC_INLINE float sanitise(uint32_t bits) {
+  return (bits & 0x7F800000u) == 0x7F800000u ? -kInf : bits_float(bits);
+}
+// IEEE half -> float for finite halves (normal and subnormal: one exact multiply by 2**112).
+SPECDEC_INLINE float half_magnitude(uint32_t h) {
+  return bits_float((h & 0x7FFFu) << 13) * 5.192296858534828e+33f;
+}
+
+template <Dtype D>
+struct Elem;
+template <>
+struct Elem<Dtype::kFloat32> {
+  using T = uint32_t;
+  static SPECDEC_INLINE float logit(T v) { return sanitise(v); }
+  static SPECDEC_INLINE float raw(T v) { return bits_float(v); }
+};
+template <>
+struct Elem<Dtype::kBFloat16> {
+  using T = uint16_t;
+  static SPECDEC_INLINE float logit(T v) { return sanitise(static_cast<uint32_t>(v) << 16); }
+  static SPECDEC_INLINE float raw(T v) { return bits_float(static_cast<uint32_t>(v) << 16); }
+};
+template <>
+struct Elem<Dtype::kFloat16> {
+  using T = uint16_t;
+  static SPECDEC_INLINE float logit(T v) {
+    const float magnitude = half_magnitude(v);
+    const float value = (v & 0x8000u) ? -magnitude : magnitude;
+    return (v & 0x7C00u) == 0x7C00u ? -kInf : value;
+  }
+  static SPECDEC_INLINE float raw(T v) {  // inf and NaN kept (draft_probs are not sanitised)
+    const uint32_t sign = static_cast<uint32_t>(v & 0x8000u) << 16;
+    const uint32_t special = sign | 0x7F800000u | (static_cast<uint32_t>(v & 0x3FFu) << 13);
+    const float magnitude = half_magnitude(v);
+    const float value = (v & 0x8000u) ? -magnitude : magnitude;
+    return (v & 0x7C00u) == 0x7C00u ? bits_float(special) : value;
+  }
+};
+
+// A row of logits: element i sanitised, -inf where the bitmask clears it.
+template <Dtype D, bool Masked>
+struct Row {
+  const typename Elem<D>::T* data;
+  int64_t vocab;
+  const int32_t* bitmask;
+  SPECDEC_INLINE float operator()(int64_t i) const {
+    const float x = Elem<D>::logit(data[i]);
+    if (!Masked) return x;
+    return (static_cast<uint32_t>(bitmask[i >> 5]) >> (i & 31)) & 1u ? x : -kInf;
+  }
+};
+
+template <class F>
+SPECDEC_INLINE void with_row(const RowView& view, F&& body) {
+  switch (view.dtype) {
+#define SPECDEC_ROW_CASE(D)                                                                 \
+  case D: {                                                                                 \
+    using T = Elem<D>::T;                                                                   \
+    const T* data = static_cast<const T*>(view.data);                                       \
+    if (view.bitmask != nullptr) {                                                          \
+      body(Row<D, true>{data, view.vocab, view.bitmask});                                   \
+    } else {                                                                                \
+      body(Row<D, false>{data, view.vocab, nullptr});                                       \
+    }                                                                                       \
+    return;                                                                                 \
+  }
+    SPECDEC_ROW_CASE(Dtype::kFloat32)
+    SPECDEC_ROW_CASE(Dtype::kBFloat16)
+    SPECDEC_ROW_CASE(Dtype::kFloat16)
+#undef SPECDEC_ROW_CASE
+  }
+}
+
+// exp for x <= 88 (Cephes' single-precision polynomial, within 2 ulps): 0 below
+// ln(FLT_MIN) = -87.34 (no subnormal results), and exp(-inf) = 0. Branch-free: vectorises.
+SPECDEC_INLINE float fast_exp(float x) {
+  const bool underflow = !(x >= -87.3365478515625f);  // also -inf (NaN never reaches here)
+  x = x < -87.3365478515625f ? -87.3365478515625f : x;
+  x = x > 88.0f ? 88.0f : x;
+  float n = x * 1.44269504088896341f;
+  n = (n + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2**23)
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const float y = poly * r * r + r + 1.0f;
+  const int32_t exponent = static_cast<int32_t>(n) + 127;
+  const float scale = bits_float(static_cast<uint32_t>(exponent) << 23);
+  return underflow ? 0.0f : y * scale;
+}
+
+// Order-preserving keys of floats (x < y <=> key(x) < key(y), -0 just below +0).
+SPECDEC_INLINE uint32_t sort_key(float x) {
+  const uint32_t bits = float_bits(x);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+SPECDEC_INLINE float key_value(uint32_t key) {
+  return bits_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+// Which tokens a row keeps and their unnormalised weight e = exp((x - x_max) / T).
+struct Keep {
+  float x_max, temperature, z_lo, e_tau;
+  SPECDEC_INLINE float e(float x) const { return fast_exp((x - x_max) / temperature); }
+  SPECDEC_INLINE float weight(float x) const {
+    const float value = e(x);  // (nested selects, not a bool &: that stops the vectoriser)
+    return x / temperature >= z_lo ? (value >= e_tau ? value : 0.0f) : 0.0f;
+  }
+};
+SPECDEC_INLINE Keep keep_of(const RowStats& s) { return Keep{s.x_max, s.temperature, s.z_lo, s.e_tau}; }
+
+// The largest logit, as the largest key: an integer max reduction vectorises (a float one
+// needs -ffast-math); -inf for a row with no finite logit.
+template <class R>
+SPECDEC_INLINE float row_max(const R& row) {
+  uint32_t best = 0;
+  for (int64_t i = 0; i < row.vocab; ++i) {
+    const uint32_t key = sort_key(row(i));
+    best = key > best ? key : best;
+  }
+  return key_value(best);
+}
+
+// Sum of weight(i) over [begin, end), and whether one is > 0. Blocks of weights go to a
+// local buffer first (a plain store loop, which vectorises whatever weight() is), then into
+// 16 per-lane sums (in a fixed order: the same sum on every build).
+constexpr int64_t kBlock = 256;
+struct BlockSum {
+  float sum;
+  bool any_positive;
+};
+template <class W>
+SPECDEC_INLINE BlockSum block_sum(const W& weight, int64_t begin, int64_t end) {
+  float lane[kLanes] = {}, positive[kLanes] = {};
+  float buffer[kBlock];
+  int64_t i = begin;
+  for (; i + kBlock <= end; i += kBlock) {
+    for (int64_t j = 0; j < kBlock; ++j) buffer[j] = weight(i + j);
+    for (int64_t j = 0; j < kBlock; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        lane[l] += buffer[j + l];
+        positive[l] = buffer[j + l] > 0.0f ? 1.0f : positive[l];
+      }
+    }
+  }
+  float total = 0.0f;
+  bool any_positive = false;
+  for (; i < end; ++i) {
+    const float w = weight(i);
+    total += w;
+    any_positive |= w > 0.0f;
+  }
+  for (int l = 0; l < kLanes; ++l) {
+    total += lane[l];
+    any_positive |= positive[l] != 0.0f;
+  }
+  return BlockSum{total, any_positive};
+}
+
+template <class W>
+SPECDEC_INLINE float lane_sum(const W& weight, int64_t begin, int64_t end) {
+  return block_sum(weight, begin, end).sum;
+}
+
+// ---- the threshold search (radix over keys, no sort) ----
+// Levels of the key: bits 31..21, 20..10, 9..0.
+constexpr int kLevelShift[3] = {21, 10, 0};
+constexpr uint32_t kLevelBins[3] = {2048, 2048, 1024};
+
+// From the top bin down: the first bin where the running total reaches `target`; adds the
+// bins above it to `above`. -1 when the total never reaches it.
+SPECDEC_INLINE int walk_bins(const double* hist, uint32_t bins, double target, double& above) {
+  for (int bin = static_cast<int>(bins) - 1; bin >= 0; --bin) {
+    if (above + hist[bin] >= target) return bin;
+    above += hist[bin];
+  }
+  return -1;
+}
+
+// scratch.keys / scratch.weights [0, V) hold every token's key and weight (0 outside the
+// domain). The largest key t with sum(weight of key >= t) >= target, i.e. the value of the
+// threshold token; false when the whole domain does not reach the target. With
+// `target_fraction` > 0 the target is that fraction of the domain's total (top-p).
+SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double target,
+                                     double target_fraction, uint32_t& threshold_key) {
+  uint32_t* keys = scratch.keys.data();
+  float* weights = scratch.weights.data();
+  scratch.hist.assign(2 * 2048, 0.0);
+  double* hist[2] = {scratch.hist.data(), scratch.hist.data() + 2048};
+  int64_t i = 0;
+  for (; i + 2 <= vocab; i += 2) {  // two histograms: no store-to-load chain on one bin
+    hist[0][keys[i] >> 21] += weights[i];
+    hist[1][keys[i + 1] >> 21] += weights[i + 1];
+  }
+  if (i < vocab) hist[0][keys[i] >> 21] += weights[i];
+  double total = 0.0;
+  for (uint32_t bin = 0; bin < 2048; ++bin) {
+    hist[0][bin] += hist[1][bin];
+    total += hist[0][bin];
+  }
+  if (target_fraction > 0.0) target = target_fraction * total;
+  double above = 0.0;
+  const int top = walk_bins(hist[0], 2048, target, above);
+  if (top < 0) return false;
+  // The candidates: the tokens of that bin with a weight.
+  int64_t count = 0;
+  for (int64_t j = 0; j < vocab; ++j) {
+    if ((keys[j] >> 21) == static_cast<uint32_t>(top) && weights[j] > 0.0f) {
+      keys[count] = keys[j];
+      weights[count] = weights[j];
+      ++count;
+    }
+  }
+  uint32_t key = static_cast<uint32_t>(top) << 21;
+  for (int level = 1; level < 3; ++level) {
+    const uint32_t bins = kLevelBins[level];
+    const int shift = kLevelShift[level];
+    for (uint32_t bin = 0; bin < bins; ++bin) hist[0][bin] = 0.0;
+    for (int64_t j = 0; j < count; ++j) hist[0][(keys[j] >> shift) & (bins - 1)] += weights[j];
+    int bin = walk_bins(hist[0], bins, target, above);
+    if (bin < 0) {  // the bin reached the target, its parts in another order did not: keep it all
+      bin = 0;
+      while (hist[0][bin] == 0.0 && bin + 1 < static_cast<int>(bins)) ++bin;
+      target = 0.0;
+      above = 0.0;
+    }
+    key |= static_cast<uint32_t>(bin) << shift;
+    int64_t kept = 0;
+    for (int64_t j = 0; j < count; ++j) {
+      if (((keys[j] >> shift) & (bins - 1)) == static_cast<uint32_t>(bin)) {
+        keys[kept] = keys[j];
+        weights[kept] = weights[j];
+        ++kept;
+      }
+    }
+    count = kept;
+    if (target == 0.0) {  // keep the whole bin: its lowest key
+      uint32_t lowest = 0xFFFFFFFFu;
+      for (int64_t j = 0; j < count; ++j) lowest = keys[j] < lowest ? keys[j] : lowest;
+      threshold_key = lowest;
+      return true;
+    }
+  }
+  threshold_key = key;
+  return true;
+}
+
+// Fills scratch with keys and weights over the domain (finite, x / T >= z_lo): e, or 1 for a
+// count.
+template <bool Mass, class R>
+SPECDEC_INLINE void fill_candidates(const R& row, const Keep& keep, Scratch& scratch) {
+  uint32_t* keys = scratch.keys.data();
+  float* weights = scratch.weights.data();
+  for (int64_t i = 0; i < row.vocab; ++i) {
+    const float x = row(i);
+    keys[i] = sort_key(x);
+    const float value = Mass ? keep.e(x) : (x > -kInf ? 1.0f : 0.0f);  // e(-inf) = 0
+    weights[i] = x / keep.temperature >= keep.z_lo ? value : 0.0f;
+  }
+}
+
+template <class R>
+SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& scratch) {
+  RowStats s;
+  const int64_t vocab = row.vocab;
+  s.temperature = filters.temperature;
+  s.greedy = filters.temperature == 0.0f;
+  s.x_max = row_max(row);
+  s.has_finite = s.x_max > -kInf;
+  s.z_lo = -kInf;
+  s.e_tau = 0.0f;
+  s.norm = 1.0f;
+  if (!s.has_finite) return s;
+  if (s.greedy) {
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (row(i) == s.x_max) {
+        s.argmax = i;
+        break;
+      }
+    }
+    return s;
+  }
+  const float temperature = s.temperature;
+  const bool use_top_k = filters.top_k > 0 && filters.top_k < vocab;
+  const bool use_top_p = filters.top_p < 1.0f;
+  if (filters.min_p > 0.0f) {  // z >= max(z) + log(min_p), min_p above 1 counting as 1
+    const float log_min_p = std::log(filters.min_p < 1.0f ? filters.min_p : 1.0f);
+    s.z_lo = s.x_max / temperature + log_min_p;
+  }
+  if (use_top_k || use_top_p) {
+    if (scratch.keys.size() < static_cast<size_t>(vocab)) {
+      scratch.keys.resize(vocab);
+      scratch.weights.resize(vocab);
+    }
+  }
+  uint32_t key = 0;
+  if (use_top_k) {  // the k-th largest logit, ties kept: z >= z(x_k)
+    fill_candidates<false>(row, Keep{s.x_max, temperature, -kInf, 0.0f}, scratch);
+    if (search_threshold(scratch, vocab, static_cast<double>(filters.top_k), 0.0, key)) {
+      const float z_k = key_value(key) / temperature;
+      s.z_lo = z_k > s.z_lo ? z_k : s.z_lo;
+    }
+  }
+  Keep keep = keep_of(s);
+  if (use_top_p) {  // the largest e whose kept mass reaches top_p of the top-k/min-p set
+    fill_candidates<true>(row, keep, scratch);
+    if (search_threshold(scratch, vocab, 0.0, static_cast<double>(filters.top_p), key)) {
+      s.e_tau = keep.e(key_value(key));
+      keep = keep_of(s);
+    }
+  }
+  s.norm = lane_sum([keep, row](int64_t i) SPECDEC_INLINE_LAMBDA { return keep.weight(row(i)); }, 0,
+                    vocab);
+  return s;
+}
+
+template <class R>
+SPECDEC_INLINE float prob_of(const R& row, const RowStats& s, int64_t token) {
+  if (!s.has_finite) return 0.0f;
+  if (s.greedy) return token == s.argmax ? 1.0f : 0.0f;
+  return keep_of(s).weight(row(token)) / s.norm;
+}
+
+// p of a processed non-greedy row with finite logits, as a weight functor.
+template <class R>
+struct Probs {
+  R row;
+  Keep keep;
+  float norm;
+  SPECDEC_INLINE float operator()(int64_t i) const { return keep.weight(row(i)) / norm; }
+};
+
+// ---- the two-level race ----
+struct RaceResult {
+  int32_t token;      // -1: no positive weight, or a NaN
+  bool any_positive;  // some weight > 0 (NaN aside)
+};
+
+template <class W>
+SPECDEC_INLINE RaceResult race(const W& weight, int64_t vocab, const Stream& stream) {
+  const int64_t num_groups = (vocab + kRaceGroup - 1) / kRaceGroup;
+  float best_score = -1.0f;
+  int64_t best_group = 0;
+  bool any_positive = false, any_nan = false;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t begin = g * kRaceGroup;
+    const int64_t end = begin + kRaceGroup < vocab ? begin + kRaceGroup : vocab;
+    const BlockSum group = block_sum(weight, begin, end);
+    const float mass = group.sum;
+    any_positive |= group.any_positive;
+    any_nan |= mass != mass;
+    if (mass > 0.0f) {
+      const uint32_t index = kGroupIndexBase + static_cast<uint32_t>(g);
+      const float score = mass / noise_of(uniform_of(stream.word(index)));
+      if (score > best_score) {
+        best_score = score;
+        best_group = g;
+      }
+    }
+  }
+  if (any_nan || !any_positive) return RaceResult{-1, any_positive};
+  const int64_t begin = best_group * kRaceGroup;
+  const int64_t end = begin + kRaceGroup < vocab ? begin + kRaceGroup : vocab;
+  float best = -1.0f;
+  int64_t winner = begin;
+  for (int64_t i = begin; i < end; i += 4) {
+    const Words words = stream.counter(static_cast<uint32_t>(i >> 2));
+    for (int lane = 0; lane < 4 && i + lane < end; ++lane) {
+      const float w = weight(i + lane);
+      if (!(w > 0.0f)) continue;
+      const float score = w / noise_of(uniform_of(words.w[lane]));
+      if (score > best) {
+        best = score;
+        winner = i + lane;
+      }
+    }
+  }
+  return RaceResult{static_cast<int32_t>(winner), true};
+}
+
+// ---- the ops ----
+constexpr int64_t kMaxDraftsOnStack = 64;
+SPECDEC_INLINE size_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
+
+SPECDEC_INLINE const void* row_pointer(const void* base, Dtype dtype, int64_t row, int64_t vocab) {
+  return static_cast<const char*>(base) + static_cast<size_t>(row * vocab) * element_size(dtype);
+}
+
+// Row `row` of [R, V] logits and of their [R, ceil(V/32)] bitmask (or none).
+SPECDEC_INLINE RowView logits_row(const void* base, Dtype dtype, int64_t row, int64_t vocab,
+                                  const int32_t* bitmask) {
+  return RowView{row_pointer(base, dtype, row, vocab), dtype, vocab,
+                 bitmask ? bitmask + row * ((vocab + 31) / 32) : nullptr};
+}
+
+SPECDEC_INLINE float raw_element(const void* base, Dtype dtype, int64_t index) {
+  switch (dtype) {
+    case Dtype::kFloat32:
+      return Elem<Dtype::kFloat32>::raw(static_cast<const uint32_t*>(base)[index]);
+    case Dtype::kBFloat16:
+      return Elem<Dtype::kBFloat16>::raw(static_cast<const uint16_t*>(base)[index]);
+    case Dtype::kFloat16:
+      return Elem<Dtype::kFloat16>::raw(static_cast<const uint16_t*>(base)[index]);
+  }
+  return 0.0f;
+}
+
+SPECDEC_INLINE RowStats view_stats(const RowView& view, const Filters& filters, Scratch& scratch) {
+  RowStats s;
+  with_row(view, [&](const auto& row) { s = stats_of(row, filters, scratch); });
+  return s;
+}
+
+SPECDEC_INLINE float view_prob(const RowView& view, const RowStats& s, int64_t token) {
+  float p = 0.0f;
+  with_row(view, [&](const auto& row) { p = prob_of(row, s, token); });
+  return p;
+}
+
+// The race over p of a processed row (greedy rows: the arg-max).
+SPECDEC_INLINE int32_t race_probs(const RowView& view, const RowStats& s, const Stream& stream) {
+  if (!s.has_finite) return -1;
+  if (s.greedy) return static_cast<int32_t>(s.argmax);
+  int32_t token = -1;
+  with_row(view, [&](const auto& row) {
+    using R = std::decay_t<decltype(row)>;
+    token = race(Probs<R>{row, keep_of(s), s.norm}, view.vocab, stream).token;
+  });
+  return token;
+}
+
+// Residual max(p - q, 0) (NaN kept, as torch's clamp) with q one-hot at `draft`, a row of
+// draft_probs, or the processed draft row (draft_view, draft_stats).
+struct Residual {
+  enum Kind { kOneHot, kProbs, kLogits } kind;
+  int64_t draft;
+  const void* q;
+  Dtype q_dtype;
+  RowView draft_view;
+  RowStats draft_stats;
+};
+
+template <class P, class Q>
+struct ResidualWeight {
+  P p;
+  Q q;
+  SPECDEC_INLINE float operator()(int64_t i) const {
+    const float r = p(i) - q(i);
+    return r < 0.0f ? 0.0f : r;
+  }
+};
+struct OneHot {
+  int64_t draft;
+  SPECDEC_INLINE float operator()(int64_t i) const { return i == draft ? 1.0f : 0.0f; }
+};
+template <Dtype D>
+struct DraftProbs {
+  const typename Elem<D>::T* data;
+  SPECDEC_INLINE float operator()(int64_t i) const { return Elem<D>::raw(data[i]); }
+};
+struct Zero {
+  SPECDEC_INLINE float operator()(int64_t) const { return 0.0f; }
+};
+
+template <class F>
+SPECDEC_INLINE void with_q(const Residual& residual, F&& body) {
+  switch (residual.kind) {
+    case Residual::kOneHot:
+      body(OneHot{residual.draft});
+      return;
+    case Residual::kProbs:
+      switch (residual.q_dtype) {
+        case Dtype::kFloat32:
+          body(DraftProbs<Dtype::kFloat32>{static_cast<const uint32_t*>(residual.q)});
+          return;
+        case Dtype::kBFloat16:
+          body(DraftProbs<Dtype::kBFloat16>{static_cast<const uint16_t*>(residual.q)});
+          return;
+        case Dtype::kFloat16:
+          body(DraftProbs<Dtype::kFloat16>{static_cast<const uint16_t*>(residual.q)});
+          return;
+      }
+      return;
+    case Residual::kLogits:
+      if (!residual.draft_stats.has_finite) {
+        body(Zero{});
+        return;
+      }
+      with_row(residual.draft_view, [&](const auto& row) {
+        using R = std::decay_t<decltype(row)>;
+        if (residual.draft_stats.greedy) {  // not reached: greedy requests race nothing
+          body(OneHot{residual.draft_stats.argmax});
+        } else {
+          body(Probs<R>{row, keep_of(residual.draft_stats), residual.draft_stats.norm});
+        }
+      });
+      return;
+  }
+}
+
+// The correction token after a rejection: the residual's race, or p's when it has no mass.
+SPECDEC_INLINE int32_t race_residual(const RowView& view, const RowStats& s,
+                                     const Residual& residual, const Stream& stream) {
+  if (!s.has_finite) return -1;
+  RaceResult result{-1, false};
+  with_row(view, [&](const auto& row) {
+    using R = std::decay_t<decltype(row)>;
+    const Probs<R> p{row, keep_of(s), s.norm};
+    with_q(residual, [&](const auto& q) {
+      using Q = std::decay_t<decltype(q)>;
+      result = race(ResidualWeight<Probs<R>, Q>{p, q}, view.vocab, stream);
+    });
+  });
+  if (result.any_positive) return result.token;
+  return race_probs(view, s, stream);
+}
+
+SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t end) {
+  const int64_t num_drafts = a.num_drafts, vocab = a.vocab, rows = num_drafts + 1;
+  Scratch scratch;
+  for (int64_t b = begin; b < end; ++b) {
+    const Filters filters = a.params.filters(b);
+    const bool greedy = filters.temperature == 0.0f;
+    int64_t n = a.num_draft_tokens[b];
+    n = n < 0 ? 0 : (n > num_drafts ? num_drafts : n);
+    auto target_row = [&](int64_t j) {
+      return a.target_rows ? a.target_rows[b * rows + j] : b * rows + j;
+    };
+    auto draft_row = [&](int64_t j) {  // j < n only
+      return a.draft_rows ? a.draft_rows[b * num_drafts + j] : b * num_drafts + j;
+    };
+    int64_t ids[kMaxDraftsOnStack];
+    std::vector<int64_t> ids_heap;
+    int64_t* id = ids;
+    if (n > kMaxDraftsOnStack) {
+      ids_heap.resize(n);
+      id = ids_heap.data();
+    }
+    for (int64_t j = 0; j < n; ++j) id[j] = a.draft_ids[draft_row(j)];
+    auto valid = [&](int64_t j) { return j < n && id[j] >= 0 && id[j] < vocab; };
+    auto target_view = [&](int64_t j) {
+      return logits_row(a.target, a.target_dtype, target_row(j), vocab, a.bitmask);
+    };
+    auto draft_view = [&](int64_t j) {
+      return RowView{row_pointer(a.draft_logits, a.draft_logits_dtype, draft_row(j), vocab),
+                     a.draft_logits_dtype, vocab, nullptr};
+    };
+    Filters draft_filters = filters;
+    RowStats stats, draft_stats;
+    int64_t stats_row = -1, draft_stats_row = -1;
+    int64_t accepted = 0;
+    for (; accepted < num_drafts && valid(accepted); ++accepted) {
+      const int64_t j = accepted, d = id[j];
+      stats = view_stats(target_view(j), filters, scratch);
+      stats_row = j;
+      const float p_draft = view_prob(target_view(j), stats, d);
+      bool accept;
+      if (greedy) {
+        accept = p_draft > 0.0f;
+      } else {
+        float q_draft = 1.0f;
+        if (a.draft_probs != nullptr) {
+          q_draft = raw_element(a.draft_probs, a.draft_probs_dtype, draft_row(j) * vocab + d);
+        } else if (a.draft_logits != nullptr) {
+          draft_stats = view_stats(draft_view(j), draft_filters, scratch);
+          draft_stats_row = j;
+          q_draft = view_prob(draft_view(j), draft_stats, d);
+        }
+        const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(j + 1),
+                            kPurposeAccept);
+        accept = uniform_of(stream.word(0)) * q_draft < p_draft;
+      }
+      if (!accept) break;
+    }
+    if (stats_row != accepted) stats = view_stats(target_view(accepted), filters, scratch);
+    const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(accepted),
+                        kPurposeResample);
+    int32_t final_token;
+    if (!greedy && accepted < num_drafts && valid(accepted)) {  // rejected: the residual
+      Residual residual{Residual::kOneHot, id[accepted], nullptr, Dtype::kFloat32, RowView{},
+                        RowStats{}};
+      if (a.draft_probs != nullptr) {
+        residual.kind = Residual::kProbs;
+        residual.q = row_pointer(a.draft_probs, a.draft_probs_dtype, draft_row(accepted), vocab);
+        residual.q_dtype = a.draft_probs_dtype;
+      } else if (a.draft_logits != nullptr) {
+        residual.kind = Residual::kLogits;
+        residual.draft_view = draft_view(accepted);
+        residual.draft_stats = draft_stats_row == accepted
+                                   ? draft_stats
+                                   : view_stats(residual.draft_view, draft_filters, scratch);
+      }
+      final_token = race_residual(target_view(accepted), stats, residual, stream);
+    } else {
+      final_token = race_probs(target_view(accepted), stats, stream);
+    }
+    int32_t* out = a.output_token_ids + b * rows;
+    for (int64_t j = 0; j < rows; ++j) out[j] = j < accepted ? static_cast<int32_t>(id[j]) : -1;
+    out[accepted] = final_token;
+    a.num_accepted[b] = static_cast<int32_t>(accepted);
+  }
+}
+
+SPECDEC_INLINE void sample_body(const SampleArgs& a, int64_t begin, int64_t end) {
+  Scratch scratch;
+  for (int64_t b = begin; b < end; ++b) {
+    const RowView view = logits_row(a.logits, a.dtype, b, a.vocab, a.bitmask);
+    const RowStats stats = view_stats(view, a.params.filters(b), scratch);
+    const Stream stream(a.params.seed[b], a.params.offset[b], 0, kPurposeSample);
+    a.tokens[b] = race_probs(view, stats, stream);
+  }
+}
+
+SPECDEC_INLINE void processed_probs_body(const ProbsArgs& a, int64_t begin, int64_t end) {
+  Scratch scratch;
+  for (int64_t r = begin; r < end; ++r) {
+    const RowView view = logits_row(a.logits, a.dtype, r, a.vocab, a.bitmask);
+    const RowStats s = view_stats(view, a.params.filters(r / a.rows_per_request), scratch);
+    float* out = a.probs + r * a.vocab;
+    if (!s.has_finite || s.greedy) {
+      for (int64_t i = 0; i < a.vocab; ++i) out[i] = 0.0f;
+      if (s.has_finite) out[s.argmax] = 1.0f;
+      continue;
+    }
+    with_row(view, [&](const auto& row) {
+      const Keep keep = keep_of(s);
+      for (int64_t i = 0; i < a.vocab; ++i) out[i] = keep.weight(row(i)) / s.norm;
+    });
+  }
+}

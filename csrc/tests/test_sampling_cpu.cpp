@@ -1,0 +1,225 @@
+// The CPU sampling core (csrc/core/sampling_cpu.h), torch-free: Philox-4x32-10 against
+// Random123's known answers, the uniform and noise at their edges, the filters' kept sets
+// against a sort-based definition in double, and small verify/sample cases with known answers.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "harness.h"
+#include "sampling_cpu.h"
+
+using namespace specdec::cpu;
+
+namespace {
+
+void test_random123_known_answers() {
+  const uint32_t m = 0xFFFFFFFFu;
+  Words w = philox4x32_10(0, 0, 0, 0, 0, 0);
+  CHECK(w.w[0] == 0x6627E8D5u && w.w[1] == 0xE169C58Du && w.w[2] == 0xBC57AC4Cu &&
+        w.w[3] == 0x9B00DBD8u);
+  w = philox4x32_10(m, m, m, m, m, m);
+  CHECK(w.w[0] == 0x408F276Du && w.w[1] == 0x41C83B0Eu && w.w[2] == 0xA20BC7C6u &&
+        w.w[3] == 0x6D5451FDu);
+  w = philox4x32_10(0x243F6A88u, 0x85A308D3u, 0x13198A2Eu, 0x03707344u, 0xA4093822u,
+                    0x299F31D0u);
+  CHECK(w.w[0] == 0xD16CFE09u && w.w[1] == 0x94FDCCEBu && w.w[2] == 0x5001E420u &&
+        w.w[3] == 0x24126EA1u);
+  // The stream layout: counter (index / 4, position | purpose << 16, offset lo, hi), key seed.
+  const int64_t seed = -3, offset = (int64_t{5} << 32) | 7;
+  const Words direct = philox4x32_10(9, 0x10000u | 4u, 7, 5, 0xFFFFFFFDu, 0xFFFFFFFFu);
+  for (uint32_t lane = 0; lane < 4; ++lane) {
+    CHECK(random_word(seed, offset, 4, kPurposeResample, 36 + lane) == direct.w[lane]);
+  }
+  CHECK(random_word(seed, offset, 4 + 65536, kPurposeResample, 36) == direct.w[0]);  // position & 0xFFFF
+}
+
+void test_uniform_and_noise_edges() {
+  CHECK(word_uniform(0) == std::ldexp(1.0f, -33));  // the middle of cell [0, 2**-32)
+  CHECK(word_uniform(1) == std::ldexp(1.0f, -32));
+  CHECK(word_uniform((1u << 24) - 1) == std::ldexp(float((1u << 24) - 1), -32));
+  CHECK(word_uniform(0xFFFFFFFFu) == 1.0f - std::ldexp(1.0f, -24));  // < 1 always
+  CHECK(word_uniform((1u << 25) + 1) == std::ldexp(1.0f, -7));  // round to nearest even
+  CHECK(word_uniform((1u << 25) + 3) == std::ldexp(float((1u << 25) + 4), -32));
+  CHECK(uniform_noise(word_uniform(0)) == std::ldexp(1.0f, -33));
+  const float top = uniform_noise(word_uniform(0xFFFFFFFFu));
+  CHECK(std::fabs(top - 24.0f * std::log(2.0f)) < 1e-5f);
+  float previous = 0.0f;
+  bool monotone = true, finite = true;
+  for (uint64_t word = 0; word <= 0xFFFFFFFFull; word += 65521) {
+    const float u = word_uniform(static_cast<uint32_t>(word));
+    const float e = uniform_noise(u);
+    finite &= std::isfinite(e) && e > 0.0f;
+    monotone &= e >= previous;
+    previous = e;
+    const double exact = -std::log1p(-static_cast<double>(u));
+    if (std::fabs(e - exact) > 4e-7 * exact) {
+      CHECK(std::fabs(e - exact) <= 4e-7 * exact);
+      break;
+    }
+  }
+  CHECK(finite);
+  CHECK(monotone);
+}
+
+uint16_t half_bits(float x) {  // exact halves only (test inputs)
+  if (x == 0.0f) return 0;
+  uint16_t sign = x < 0 ? 0x8000 : 0;
+  float a = std::fabs(x);
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2**e, m in [0.5, 1)
+  const int exponent = e - 1 + 15;
+  const uint16_t mantissa = static_cast<uint16_t>((m * 2.0f - 1.0f) * 1024.0f);
+  return static_cast<uint16_t>(sign | (exponent << 10) | mantissa);
+}
+
+void test_dtypes_read_the_same_values() {
+  const std::vector<float> values = {-3.0f, 0.5f, 2.0f, 2.0f, -0.25f, 1.5f, 7.0f};
+  std::vector<uint16_t> bf16, f16;
+  for (float v : values) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    bf16.push_back(static_cast<uint16_t>(bits >> 16));
+    f16.push_back(half_bits(v));
+  }
+  f16.push_back(0x7C00);  // +inf: never sampled
+  bf16.push_back(0x7FC0);  // NaN
+  std::vector<float> f32 = values;
+  f32.push_back(-std::numeric_limits<float>::infinity());
+  Scratch scratch;
+  Filters filters;
+  filters.top_k = 3;
+  const int64_t vocab = static_cast<int64_t>(f32.size());
+  const RowStats s32 = row_stats(RowView{f32.data(), Dtype::kFloat32, vocab, nullptr}, filters, scratch);
+  const RowStats sbf = row_stats(RowView{bf16.data(), Dtype::kBFloat16, vocab, nullptr}, filters, scratch);
+  const RowStats sf16 = row_stats(RowView{f16.data(), Dtype::kFloat16, vocab, nullptr}, filters, scratch);
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float p = row_prob(RowView{f32.data(), Dtype::kFloat32, vocab, nullptr}, s32, i);
+    CHECK(p == row_prob(RowView{bf16.data(), Dtype::kBFloat16, vocab, nullptr}, sbf, i));
+    CHECK(p == row_prob(RowView{f16.data(), Dtype::kFloat16, vocab, nullptr}, sf16, i));
+    CHECK((p > 0.0f) == (i == 2 || i == 3 || i == 6));  // top-3 with the tie at 2.0 kept
+  }
+  CHECK(s32.x_max == 7.0f);
+}
+
+// The kept set of top-k then top-p by sorting, in double (the definition's shape).
+std::vector<bool> kept_by_sorting(const std::vector<float>& x, float temperature, int top_k,
+                                  float top_p) {
+  const int64_t vocab = static_cast<int64_t>(x.size());
+  std::vector<int64_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x[a] > x[b]; });
+  const float x_max = x[order[0]];
+  std::vector<bool> kept(vocab, true);
+  if (top_k > 0 && top_k < vocab) {
+    const float kth = x[order[top_k - 1]] / temperature;
+    for (int64_t i = 0; i < vocab; ++i) kept[i] = x[i] / temperature >= kth;
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (kept[i]) total += std::exp((static_cast<double>(x[i]) - x_max) / temperature);
+  }
+  if (top_p < 1.0f) {
+    double mass = 0.0;
+    float tau_x = x[order[vocab - 1]];
+    for (int64_t r = 0; r < vocab; ++r) {
+      const int64_t i = order[r];
+      if (!kept[i]) continue;
+      mass += std::exp((static_cast<double>(x[i]) - x_max) / temperature);
+      if (mass >= top_p * total) {
+        tau_x = x[i];
+        break;
+      }
+    }
+    for (int64_t i = 0; i < vocab; ++i) kept[i] = kept[i] && x[i] >= tau_x;
+  }
+  return kept;
+}
+
+void test_filters_match_sorting() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  Scratch scratch;
+  int compared = 0, differing = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const int64_t vocab = 1 + static_cast<int64_t>(rng() % 5000);
+    std::vector<float> x(vocab);
+    const bool integers = trial % 3 == 0;  // full of ties
+    for (auto& v : x) v = integers ? std::round(normal(rng)) : normal(rng);
+    Filters f;
+    f.temperature = 0.5f + static_cast<float>(trial % 4) * 0.5f;
+    f.top_k = static_cast<int32_t>(trial % 5 == 0 ? 0 : rng() % (vocab + 2));
+    f.top_p = trial % 2 == 0 ? 1.0f : 0.05f + 0.9f * static_cast<float>(rng() % 1000) / 1000.0f;
+    const RowView view{x.data(), Dtype::kFloat32, vocab, nullptr};
+    const RowStats s = row_stats(view, f, scratch);
+    const std::vector<bool> expected = kept_by_sorting(x, f.temperature, f.top_k, f.top_p);
+    double sum = 0.0;
+    bool same = true;
+    for (int64_t i = 0; i < vocab; ++i) {
+      const float p = row_prob(view, s, i);
+      sum += p;
+      same &= (p > 0.0f) == expected[i];
+    }
+    ++compared;
+    differing += !same;
+    CHECK(std::fabs(sum - 1.0) < 1e-4);
+  }
+  // Only decisions within float rounding of the top-p boundary may differ.
+  CHECK(differing * 50 <= compared);
+}
+
+void test_verify_and_sample_known_answers() {
+  // The verify_chain docstring: greedy, drafts [1, 2] on arg-maxes [1, 0, 2] -> [1, 0, -1].
+  const float target[9] = {0, 9, 0, 9, 0, 0, 0, 0, 9};
+  const int64_t ids[2] = {1, 2};
+  const int32_t n[1] = {2};
+  const float temperature[1] = {0.0f}, top_p[1] = {1.0f};
+  const int32_t top_k[1] = {0};
+  const int64_t seed[1] = {1}, offset[1] = {0};
+  ChainArgs a;
+  a.batch = 1;
+  a.num_drafts = 2;
+  a.vocab = 3;
+  a.target = target;
+  a.draft_ids = ids;
+  a.num_draft_tokens = n;
+  a.params = RequestParams{temperature, top_k, top_p, nullptr, seed, offset};
+  int32_t out[3] = {7, 7, 7}, accepted[1] = {7};
+  a.output_token_ids = out;
+  a.num_accepted = accepted;
+  verify_chain(a, 0, 1);
+  CHECK_EQ(out[0], 1);
+  CHECK_EQ(out[1], 0);
+  CHECK_EQ(out[2], -1);
+  CHECK_EQ(accepted[0], 1);
+  // A row with no finite logit samples -1; a sampled near-one-hot row its arg-max.
+  const float inf = std::numeric_limits<float>::infinity();
+  const float rows[6] = {-inf, NAN, inf, 0.0f, 80.0f, 0.0f};
+  const float t1[2] = {1.0f, 1.0f}, p1[2] = {1.0f, 1.0f};
+  const int32_t k1[2] = {0, 0};
+  const int64_t s1[2] = {3, 4}, o1[2] = {0, 0};
+  SampleArgs sa;
+  sa.batch = 2;
+  sa.vocab = 3;
+  sa.logits = rows;
+  sa.params = RequestParams{t1, k1, p1, nullptr, s1, o1};
+  int32_t tokens[2] = {7, 7};
+  sa.tokens = tokens;
+  sample(sa, 0, 2);
+  CHECK_EQ(tokens[0], -1);
+  CHECK_EQ(tokens[1], 1);
+}
+
+}  // namespace
+
+int main() {
+  test_random123_known_answers();
+  test_uniform_and_noise_edges();
+  test_dtypes_read_the_same_values();
+  test_filters_match_sorting();
+  test_verify_and_sample_known_answers();
+  TEST_MAIN_RETURN();
+}

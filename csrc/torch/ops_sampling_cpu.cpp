@@ -1,0 +1,314 @@
+// CPU registrations of the sampling path (csrc/core/sampling_cpu.h): torch.ops.specdec.
+// cpu_verify_chain / cpu_sample / cpu_processed_probs / cpu_random_words. The Python layer
+// (specdec_kernels/_cpu.py) validates values first; these checks guard memory safety. The
+// per-request parameters are small [B] tensors converted here; the [.., V] tensors are read
+// in place (contiguous, in their own dtype).
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "sampling_cpu.h"
+
+namespace specdec {
+namespace torch_ops {
+namespace {
+
+cpu::Dtype dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return cpu::Dtype::kFloat32;
+    case at::kBFloat16:
+      return cpu::Dtype::kBFloat16;
+    case at::kHalf:
+      return cpu::Dtype::kFloat16;
+    default:
+      TORCH_CHECK(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+// The [B] parameters as contiguous tensors of the core's types (kept alive by `owned`).
+struct Params {
+  at::Tensor temperature, top_k, top_p, min_p, seed, offset;
+  cpu::RequestParams view() const {
+    return cpu::RequestParams{temperature.data_ptr<float>(), top_k.data_ptr<int32_t>(),
+                              top_p.data_ptr<float>(),
+                              min_p.defined() ? min_p.data_ptr<float>() : nullptr,
+                              seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>()};
+  }
+};
+
+at::Tensor small(const at::Tensor& t, const char* name, int64_t batch, at::ScalarType type) {
+  check_cpu(t, name, {batch});
+  return t.to(type).contiguous();
+}
+
+Params params_of(int64_t batch, const at::Tensor& temperature, const at::Tensor& top_k,
+                 const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
+                 const at::Tensor& seed, const at::Tensor& offset) {
+  Params p;
+  p.temperature = small(temperature, "temperature", batch, at::kFloat);
+  p.top_k = small(top_k, "top_k", batch, at::kInt);
+  p.top_p = small(top_p, "top_p", batch, at::kFloat);
+  if (min_p.has_value()) p.min_p = small(*min_p, "min_p", batch, at::kFloat);
+  p.seed = small(seed, "seed", batch, at::kLong);
+  p.offset = small(offset, "offset", batch, at::kLong);
+  return p;
+}
+
+const int32_t* bitmask_of(const std::optional<at::Tensor>& bitmask, at::IntArrayRef lead,
+                          int64_t vocab, at::Tensor& owned) {
+  if (!bitmask.has_value()) return nullptr;
+  std::vector<int64_t> shape(lead.begin(), lead.end());
+  shape.push_back((vocab + 31) / 32);
+  check_cpu(*bitmask, "token_bitmask", shape);
+  TORCH_CHECK(bitmask->scalar_type() == at::kInt, "token_bitmask must be int32");
+  owned = bitmask->contiguous();
+  return owned.data_ptr<int32_t>();
+}
+
+// The fields SampleArgs and ProbsArgs share: [rows, V] logits, their bitmask, parameters.
+template <class Args>
+void set_logits(Args& args, const at::Tensor& x, int64_t vocab, const int32_t* bitmask,
+                const Params& params) {
+  args.vocab = vocab;
+  args.logits = x.data_ptr();
+  args.dtype = dtype_of(x, "logits");
+  args.bitmask = bitmask;
+  args.params = params.view();
+}
+
+// Requests per task: enough work per task to amortise the thread hand-off.
+int64_t grain(int64_t rows_per_request, int64_t vocab) {
+  const int64_t work = rows_per_request * vocab;
+  return work >= 16384 ? 1 : 16384 / (work > 0 ? work : 1);
+}
+
+// Both layouts: target [R, V] rows, drafts [D] / [D, V]; row indices (packed) or null.
+std::tuple<at::Tensor, at::Tensor> run_chain(
+    const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
+    const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
+    const at::Tensor* target_rows, const at::Tensor* draft_rows, int64_t batch,
+    int64_t num_drafts, const at::Tensor& num_draft_tokens, const at::Tensor& temperature,
+    const at::Tensor& top_k, const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
+    const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
+    const at::Tensor& offset) {
+  const int64_t vocab = target_logits.size(-1), rows = num_drafts + 1;
+  TORCH_CHECK(vocab >= 1, "target_logits must have V >= 1");
+  const int64_t target_count = target_logits.numel() / vocab;
+  const int64_t draft_count = draft_token_ids.numel();
+  check_cpu(target_logits, "target_logits", target_logits.sizes());
+  check_cpu(draft_token_ids, "draft_token_ids", draft_token_ids.sizes());
+  const at::Tensor target = target_logits.contiguous();
+  const at::Tensor ids = draft_token_ids.to(at::kLong).contiguous();
+  const at::Tensor n = small(num_draft_tokens, "num_draft_tokens", batch, at::kInt);
+  const Params params = params_of(batch, temperature, top_k, top_p, min_p, seed, offset);
+  cpu::ChainArgs args;
+  args.batch = batch;
+  args.num_drafts = num_drafts;
+  args.vocab = vocab;
+  args.target = target.data_ptr();
+  args.target_dtype = dtype_of(target, "target_logits");
+  at::Tensor bitmask, target_index, draft_index;
+  args.bitmask = bitmask_of(token_bitmask, target_logits.sizes().slice(0, target_logits.dim() - 1),
+                            vocab, bitmask);
+  if (target_rows != nullptr) {  // packed: every index in range (memory safety)
+    check_cpu(*target_rows, "target_rows", {batch, rows});
+    check_cpu(*draft_rows, "draft_rows", {batch, num_drafts});
+    target_index = target_rows->to(at::kLong).contiguous();
+    draft_index = draft_rows->to(at::kLong).contiguous();
+    TORCH_CHECK(target_index.numel() == 0 || (target_index.min().item<int64_t>() >= 0 &&
+                                              target_index.max().item<int64_t>() < target_count),
+                "target_rows out of range");
+    TORCH_CHECK(draft_index.numel() == 0 || (draft_index.min().item<int64_t>() >= 0 &&
+                                             draft_index.max().item<int64_t>() <= draft_count),
+                "draft_rows out of range");
+    const int32_t* counts = n.data_ptr<int32_t>();
+    const int64_t* d = draft_index.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t j = 0; j < std::min<int64_t>(std::max<int32_t>(counts[b], 0), num_drafts); ++j) {
+        TORCH_CHECK(d[b * num_drafts + j] < draft_count, "draft_rows: a live draft's row >= T");
+      }
+    }
+    args.target_rows = target_index.data_ptr<int64_t>();
+    args.draft_rows = draft_index.data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(target_count == batch * rows && draft_count == batch * num_drafts,
+                "target_logits [B, K+1, V] and draft_token_ids [B, K] disagree");
+  }
+  args.draft_ids = ids.data_ptr<int64_t>();
+  args.num_draft_tokens = n.data_ptr<int32_t>();
+  at::Tensor probs, logits;
+  TORCH_CHECK(!(draft_probs.has_value() && draft_logits.has_value()),
+              "draft_probs and draft_logits are exclusive");
+  std::vector<int64_t> draft_shape(draft_token_ids.sizes().begin(), draft_token_ids.sizes().end());
+  draft_shape.push_back(vocab);
+  if (draft_probs.has_value()) {
+    check_cpu(*draft_probs, "draft_probs", draft_shape);
+    probs = draft_probs->contiguous();
+    args.draft_probs = probs.data_ptr();
+    args.draft_probs_dtype = dtype_of(probs, "draft_probs");
+  }
+  if (draft_logits.has_value()) {
+    check_cpu(*draft_logits, "draft_logits", draft_shape);
+    logits = draft_logits->contiguous();
+    args.draft_logits = logits.data_ptr();
+    args.draft_logits_dtype = dtype_of(logits, "draft_logits");
+  }
+  args.params = params.view();
+  at::Tensor out = at::empty({batch, rows}, target.options().dtype(at::kInt));
+  at::Tensor accepted = at::empty({batch}, target.options().dtype(at::kInt));
+  args.output_token_ids = out.data_ptr<int32_t>();
+  args.num_accepted = accepted.data_ptr<int32_t>();
+  at::parallel_for(0, batch, grain(rows, vocab),
+                   [&](int64_t begin, int64_t end) { cpu::verify_chain(args, begin, end); });
+  return {out, accepted};
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_verify_chain(
+    const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
+    const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
+    const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
+    const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
+    const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
+    const at::Tensor& offset) {
+  TORCH_CHECK(target_logits.dim() == 3 && target_logits.size(1) >= 1,
+              "target_logits must be [B, K+1, V], got ", target_logits.sizes());
+  const int64_t batch = target_logits.size(0), num_drafts = target_logits.size(1) - 1;
+  check_cpu(draft_token_ids, "draft_token_ids", {batch, num_drafts});
+  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, nullptr, nullptr,
+                   batch, num_drafts, num_draft_tokens, temperature, top_k, top_p, min_p,
+                   token_bitmask, seed, offset);
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_verify_chain_packed(
+    const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
+    const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
+    const at::Tensor& target_rows, const at::Tensor& draft_rows,
+    const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
+    const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
+    const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
+    const at::Tensor& offset) {
+  TORCH_CHECK(target_logits.dim() == 2 && draft_token_ids.dim() == 1 && target_rows.dim() == 2,
+              "packed: target_logits [T+B, V], draft_token_ids [T], target_rows [B, K+1]");
+  const int64_t batch = target_rows.size(0), num_drafts = target_rows.size(1) - 1;
+  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, &target_rows,
+                   &draft_rows, batch, num_drafts, num_draft_tokens, temperature, top_k, top_p,
+                   min_p, token_bitmask, seed, offset);
+}
+
+at::Tensor cpu_sample(const at::Tensor& logits, const at::Tensor& temperature,
+                      const at::Tensor& top_k, const at::Tensor& top_p,
+                      const std::optional<at::Tensor>& min_p,
+                      const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
+                      const at::Tensor& offset) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, "logits must be [B, V], got ",
+              logits.sizes());
+  const int64_t batch = logits.size(0), vocab = logits.size(1);
+  check_cpu(logits, "logits", {batch, vocab});
+  const at::Tensor x = logits.contiguous();
+  const Params params = params_of(batch, temperature, top_k, top_p, min_p, seed, offset);
+  cpu::SampleArgs args;
+  args.batch = batch;
+  at::Tensor bitmask;
+  set_logits(args, x, vocab, bitmask_of(token_bitmask, {batch}, vocab, bitmask), params);
+  at::Tensor tokens = at::empty({batch}, x.options().dtype(at::kInt));
+  args.tokens = tokens.data_ptr<int32_t>();
+  at::parallel_for(0, batch, grain(1, vocab),
+                   [&](int64_t begin, int64_t end) { cpu::sample(args, begin, end); });
+  return tokens;
+}
+
+// logits [R, V] with R = B * rows_per_request (the caller flattens [B, ..., V]).
+at::Tensor cpu_processed_probs(const at::Tensor& logits, const at::Tensor& temperature,
+                               const at::Tensor& top_k, const at::Tensor& top_p,
+                               const std::optional<at::Tensor>& min_p,
+                               const std::optional<at::Tensor>& token_bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, "logits must be [R, V], got ",
+              logits.sizes());
+  const int64_t rows = logits.size(0), vocab = logits.size(1), batch = temperature.numel();
+  TORCH_CHECK(batch >= 1 && rows % batch == 0, "logits rows must be a multiple of B");
+  check_cpu(logits, "logits", {rows, vocab});
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor zeros = at::zeros({batch}, x.options().dtype(at::kLong));
+  const Params params = params_of(batch, temperature, top_k, top_p, min_p, zeros, zeros);
+  cpu::ProbsArgs args;
+  args.rows = rows;
+  args.rows_per_request = rows / batch;
+  at::Tensor bitmask;
+  set_logits(args, x, vocab, bitmask_of(token_bitmask, {rows}, vocab, bitmask), params);
+  at::Tensor probs = at::empty({rows, vocab}, x.options().dtype(at::kFloat));
+  args.probs = probs.data_ptr<float>();
+  at::parallel_for(0, rows, grain(1, vocab),
+                   [&](int64_t begin, int64_t end) { cpu::processed_probs(args, begin, end); });
+  return probs;
+}
+
+// Test hook: word index % 4 of counter index / 4 of each element's stream, its uniform and
+// its noise (int64 words, float32 uniforms and noise).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_random_words(
+    const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& position,
+    int64_t purpose, const at::Tensor& index) {
+  const int64_t count = seed.numel();
+  const at::Tensor s = small(seed, "seed", count, at::kLong);
+  const at::Tensor o = small(offset, "offset", count, at::kLong);
+  const at::Tensor p = small(position, "position", count, at::kLong);
+  const at::Tensor i = small(index, "index", count, at::kLong);
+  at::Tensor words = at::empty({count}, s.options());
+  at::Tensor uniform = at::empty({count}, s.options().dtype(at::kFloat));
+  at::Tensor noise = at::empty({count}, s.options().dtype(at::kFloat));
+  for (int64_t e = 0; e < count; ++e) {
+    const uint32_t word = cpu::random_word(
+        s.data_ptr<int64_t>()[e], o.data_ptr<int64_t>()[e],
+        static_cast<uint32_t>(p.data_ptr<int64_t>()[e]), static_cast<uint32_t>(purpose),
+        static_cast<uint32_t>(i.data_ptr<int64_t>()[e]));
+    words.data_ptr<int64_t>()[e] = word;
+    uniform.data_ptr<float>()[e] = cpu::word_uniform(word);
+    noise.data_ptr<float>()[e] = cpu::uniform_noise(cpu::word_uniform(word));
+  }
+  return {words, uniform, noise};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def(
+      "cpu_verify_chain(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
+      "Tensor? draft_logits, Tensor num_draft_tokens, Tensor temperature, Tensor top_k, "
+      "Tensor top_p, Tensor? min_p, Tensor? token_bitmask, Tensor seed, Tensor offset) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "cpu_verify_chain_packed(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
+      "Tensor? draft_logits, Tensor target_rows, Tensor draft_rows, Tensor num_draft_tokens, "
+      "Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, Tensor? token_bitmask, "
+      "Tensor seed, Tensor offset) -> (Tensor, Tensor)");
+  m.def(
+      "cpu_sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, "
+      "Tensor? token_bitmask, Tensor seed, Tensor offset) -> Tensor");
+  m.def(
+      "cpu_processed_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor? min_p, Tensor? token_bitmask) -> Tensor");
+  m.def(
+      "cpu_random_words(Tensor seed, Tensor offset, Tensor position, int purpose, Tensor index) "
+      "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("cpu_verify_chain", &cpu_verify_chain);
+  m.impl("cpu_verify_chain_packed", &cpu_verify_chain_packed);
+  m.impl("cpu_sample", &cpu_sample);
+  m.impl("cpu_processed_probs", &cpu_processed_probs);
+  m.impl("cpu_random_words", &cpu_random_words);
+}
+
+}  // namespace torch_ops
+}  // namespace specdec

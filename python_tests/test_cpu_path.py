@@ -1,0 +1,219 @@
+"""The C++ CPU path (``specdec_kernels._cpu``, csrc/core/sampling_cpu.*) behind
+``backend="auto"`` on CPU tensors: its random numbers bit for bit against ``_rng``, and its
+tokens against the reference's across modes, dtypes, odd vocabularies and garbage inputs.
+Tokens may differ only at decisions within float rounding of a threshold (its exp, its sums
+and Sleef's log differ from torch's by ulps); the tests count differing requests and bound
+them at 1%."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels import _cpu, _params, _rng
+from specdec_kernels.reference import sampling as ref_sampling
+
+from conftest import mixed_params
+from test_chain_exactness import ALPHA, MODES, _chi_square, _context_free_round
+
+pytestmark = pytest.mark.skipif(not _cpu.AVAILABLE, reason="the extension is not built")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_DIFFERING = 0.01  # of requests (the Triton tests' bound)
+
+
+def test_words_and_uniforms_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    count = 20000
+    seed = torch.randint(-2**63, 2**63 - 1, (count,), generator=gen)
+    offset = torch.randint(-2**63, 2**63 - 1, (count,), generator=gen)
+    position = torch.randint(0, 2**17, (count,), generator=gen)  # & 0xFFFF on both sides
+    index = torch.randint(0, 2**32, (count,), generator=gen)
+    edges = torch.tensor([0, 1, 2**24 - 1, 2**24 + 1, 2**25 + 3, 2**31, 2**32 - 1])
+    for purpose in (_rng.PURPOSE_ACCEPT, _rng.PURPOSE_RESAMPLE, _rng.PURPOSE_SAMPLE):
+        words, uniform, noise = torch.ops.specdec.cpu_random_words(seed, offset, position,
+                                                                   purpose, index)
+        expected = _rng.random_words(seed, offset, position, purpose, index)
+        assert torch.equal(words, expected)
+        assert torch.equal(uniform, _rng.word_uniform(expected))
+        # The noise: glibc's logf vs torch's (Sleef) log, within 1 ulp, mostly equal.
+        reference_noise = _rng.word_noise(expected)
+        ulps = (noise.view(torch.int32) - reference_noise.view(torch.int32)).abs()
+        assert int(ulps.max()) <= 1 and float((ulps == 0).float().mean()) > 0.8
+        assert bool((noise > 0).all())
+    # Edge words through the uniform and noise (the words themselves as index-free inputs).
+    w, u, e = torch.ops.specdec.cpu_random_words(torch.zeros(1, dtype=torch.int64),
+                                                 torch.zeros(1, dtype=torch.int64),
+                                                 torch.zeros(1, dtype=torch.int64), 0,
+                                                 torch.zeros(1, dtype=torch.int64))
+    assert int(w[0]) == 0x6627E8D5  # Random123: counter 0, key 0
+    assert torch.equal(_rng.word_uniform(edges), _rng.word_uniform(edges))  # (reference only)
+
+
+def _inputs(batch, drafts, vocab, dtype, gen, scale=3.0):
+    target = (torch.randn(batch, drafts + 1, vocab, generator=gen) * scale).to(dtype)
+    draft_logits = (torch.randn(batch, drafts, vocab, generator=gen) * scale).to(dtype)
+    # Drafts drawn near the target's arg-max so that both acceptances and rejections happen.
+    ids = torch.where(torch.rand(batch, drafts, generator=gen) < 0.5,
+                      target[:, :drafts].float().argmax(-1),
+                      torch.randint(0, vocab, (batch, drafts), generator=gen))
+    return target, draft_logits, ids
+
+
+def _differing(a, b) -> int:
+    return int((a.output_token_ids != b.output_token_ids).any(-1).sum()
+               + (a.num_accepted != b.num_accepted).sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 7, 3001, 4099])
+def test_verify_chain_equals_reference(dtype, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    batch, drafts = 12, 3
+    target, draft_logits, ids = _inputs(batch, drafts, vocab, dtype, gen)
+    params = mixed_params(batch, vocab, gen)
+    params["min_p"] = torch.where(torch.arange(batch) % 7 == 6, 0.05, 0.0)
+    num = torch.randint(0, drafts + 1, (batch,), generator=gen)
+    seed = torch.randint(0, 2**62, (batch,), generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, drafts + 1, (vocab + 31) // 32),
+                            generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[::2] = -1  # half the requests unmasked
+    probs = ref_sampling.processed_probs(draft_logits, params["temperature"],
+                                         params["top_k"], params["top_p"])
+    compared = differing = 0
+    for mode in ("one_hot", "draft_probs", "draft_logits", "bitmask"):
+        extra = {"draft_probs": dict(draft_probs=probs.to(dtype)),
+                 "draft_logits": dict(draft_logits=draft_logits),
+                 "bitmask": dict(token_bitmask=bitmask)}.get(mode, {})
+        common = dict(num_draft_tokens=num, seed=seed, offset=3, **params, **extra)
+        got = sk.verify_chain(target, ids, **common)
+        want = sk.verify_chain(target, ids, backend="reference", **common)
+        compared += batch
+        differing += _differing(got, want)
+        assert bool(((got.output_token_ids >= -1) & (got.output_token_ids < vocab)).all())
+    assert differing <= MAX_DIFFERING * compared + 1, (differing, compared)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_equals_reference(dtype):
+    compared = differing = 0
+    for vocab in (1, 7, 1023, 3001, 2048 * 3 + 5):
+        gen = torch.Generator().manual_seed(vocab)
+        batch = 20
+        logits = (torch.randn(batch, vocab, generator=gen) * 2).to(dtype)
+        logits[3] = float("nan")
+        logits[4, : vocab // 2] = float("-inf")
+        params = mixed_params(batch, vocab, gen)
+        params["min_p"] = torch.where(torch.arange(batch) % 6 == 5, 0.1, 0.0)
+        seed = torch.randint(0, 2**62, (batch,), generator=gen)
+        got = sk.sample(logits, seed=seed, offset=11, **params)
+        want = sk.sample(logits, seed=seed, offset=11, backend="reference", **params)
+        compared += batch
+        differing += int((got != want).sum())
+        assert int(got[3]) == -1
+    assert differing <= MAX_DIFFERING * compared, (differing, compared)
+
+
+def test_many_seeds_bf16_large_vocab():
+    """V = 32000 bf16 over many seeds: the rate of rounding-level differences stays bounded."""
+    gen = torch.Generator().manual_seed(5)
+    batch, drafts, vocab = 24, 4, 32000
+    target, draft_logits, ids = _inputs(batch, drafts, vocab, torch.bfloat16, gen, scale=2.0)
+    params = dict(temperature=0.8, top_p=0.9)
+    seed = torch.arange(batch)
+    got = sk.verify_chain(target, ids, draft_logits=draft_logits, seed=seed, **params)
+    want = sk.verify_chain(target, ids, draft_logits=draft_logits, seed=seed,
+                           backend="reference", **params)
+    assert _differing(got, want) <= MAX_DIFFERING * batch + 1
+
+
+def test_packed_equals_reference():
+    gen = torch.Generator().manual_seed(2)
+    vocab, counts = 3001, [0, 3, 1, 4, 2]
+    batch, total = len(counts), sum(counts)
+    cu = torch.tensor([0] + counts).cumsum(0)
+    target = torch.randn(total + batch, vocab, generator=gen) * 3
+    ids = torch.randint(0, vocab, (total,), generator=gen)
+    draft_logits = torch.randn(total, vocab, generator=gen) * 3
+    for extra in ({}, dict(draft_logits=draft_logits), dict(temperature=0.0)):
+        kwargs = dict(max_draft_tokens=4, seed=9, top_k=40, **extra)
+        got = sk.verify_chain_packed(target, ids, cu, **kwargs)
+        want = sk.verify_chain_packed(target, ids, cu, backend="reference", **kwargs)
+        assert _differing(got, want) == 0
+
+
+def test_garbage_inputs_unvalidated():
+    """validate=False: out-of-range ids and lengths, NaN/+inf/negative draft_probs give the
+    reference's tokens and never an id outside [0, V) other than -1."""
+    gen = torch.Generator().manual_seed(3)
+    batch, drafts, vocab = 16, 3, 300
+    target, _, ids = _inputs(batch, drafts, vocab, torch.float32, gen)
+    ids[0, 0], ids[1, 1], ids[2, 0] = -5, vocab, 2**40
+    num = torch.tensor([5, -2] + [drafts] * (batch - 2))
+    probs = torch.rand(batch, drafts, vocab, generator=gen)
+    probs[3, 0, :5] = float("nan")
+    probs[4, :, 7] = float("inf")
+    probs[5] = -probs[5]
+    kwargs = dict(draft_probs=probs, num_draft_tokens=num, seed=1, validate=False)
+    got = sk.verify_chain(target, ids, **kwargs)
+    want = sk.verify_chain(target, ids, backend="reference", **kwargs)
+    assert _differing(got, want) == 0
+    assert bool(((got.output_token_ids >= -1) & (got.output_token_ids < vocab)).all())
+
+
+def test_dispatch_and_fallbacks(monkeypatch):
+    """auto on CPU runs the C++ path where it covers the call; logprobs, float64 draft probs and
+    backend="reference" take the reference; bad input raises as before."""
+    calls = []
+    real = _cpu.verify_chain
+    monkeypatch.setattr(_cpu, "verify_chain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    target = torch.randn(2, 3, 50)
+    ids = torch.randint(0, 50, (2, 2))
+    sk.verify_chain(target, ids, seed=1)
+    assert calls == [1]
+    sk.verify_chain(target, ids, seed=1, backend="reference")
+    sk.verify_chain(target, ids, seed=1, return_logprobs="raw")
+    sk.verify_chain(target, ids, seed=1, draft_probs=torch.rand(2, 2, 50, dtype=torch.float64))
+    assert calls == [1]
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        sk.verify_chain(target, ids, num_draft_tokens=3)
+    with pytest.raises(ValueError, match="draft_token_ids"):
+        sk.verify_chain(target, torch.tensor([[0, 50], [1, 1]]))
+    with pytest.raises(ValueError, match="top_p"):
+        sk.sample(target[:, 0], top_p=torch.tensor([0.5, 1.5]))
+    out = sk.sample(target[:, 0], seed=1, return_logprobs="processed")  # reference path
+    assert isinstance(out, sk.SampleOutput)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_processed_probs_close_to_reference(dtype):
+    gen = torch.Generator().manual_seed(4)
+    batch, vocab = 25, 3001
+    logits = (torch.randn(batch, 2, vocab, generator=gen) * 3).to(dtype)
+    params = _params.sampling_params(**mixed_params(batch, vocab, gen), batch=batch,
+                                     vocab_size=vocab, device=torch.device("cpu"),
+                                     validate=True, min_p=0.01)
+    got = _cpu.processed_probs(logits, params)
+    want = ref_sampling.processed_probs(logits, params.temperature, params.top_k, params.top_p,
+                                        params.min_p)
+    support_differs = ((got > 0) != (want > 0)).any(-1).sum()
+    assert int(support_differs) <= MAX_DIFFERING * batch * 2
+    assert float((got - want).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cpp_chain_tokens_follow_target(mode):
+    """The C++ chain's law: chi-square of the first emitted token and of the token after one
+    accepted draft, 60k requests, alpha = 1e-4 per test, power >= 0.99 against any law at
+    TV >= 0.02 for the first token (test_chain_exactness's statistic; its planted bug shows the
+    statistic fails on a wrong residual)."""
+    batch = 60_000
+    out, p, _ = _context_free_round(mode, (0.8, 4, 0.9), batch, backend="auto")
+    tokens, accepted = out.output_token_ids.long(), out.num_accepted.long()
+    for j in (0, 1):
+        reached = accepted >= j
+        pvalue, power = _chi_square(torch.bincount(tokens[reached, j], minlength=p.shape[-1]),
+                                    p[j])
+        assert pvalue > ALPHA, (j, pvalue)
+        if j == 0:
+            assert power >= 0.99
