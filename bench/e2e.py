@@ -278,7 +278,7 @@ def main(argv=None) -> dict:
         from specdec_kernels.e2e.tasks import encode
         prompt = encode(tokenizer, "Name a colour.")
         checks = {}
-        for drafter, bug in (("ngram", None), ("model", None), ("ngram", "shifted_rows")):
+        for drafter, bug in (("ngram", None), ("model", None), ("ngram", "rows_one_late")):
             t0 = time.perf_counter()
             result = first_two_tokens_test(model, draft, prompt, drafter=drafter,
                                            samples=args.exactness_samples, planted_bug=bug)

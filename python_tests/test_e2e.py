@@ -23,8 +23,8 @@ def models():
 def requests(models):
     from specdec_kernels.e2e.tasks import task_requests
     _, _, tokenizer = models
-    copy = task_requests(tokenizer, "copy", 2, max_new_tokens=14)
-    rare = task_requests(tokenizer, "rare_terms", 1, max_new_tokens=9)
+    copy = task_requests(tokenizer, "copy", 2, max_new_tokens=10)
+    rare = task_requests(tokenizer, "rare_terms", 1, max_new_tokens=6)
     # Different prompt lengths and budgets in one batch; the last one stops first.
     return copy + rare
 
@@ -96,7 +96,7 @@ def test_first_two_tokens_law_catches_a_planted_bug(models):
     from specdec_kernels.e2e.tasks import encode
     model, draft, tokenizer = models
     result = first_two_tokens_test(model, draft, encode(tokenizer, EXACTNESS_PROMPT),
-                                   drafter="ngram", samples=20000, planted_bug="shifted_rows")
+                                   drafter="ngram", samples=20000, planted_bug="rows_one_late")
     assert not result["passed"], result
 
 

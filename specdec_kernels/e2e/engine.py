@@ -246,7 +246,7 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
 
     ``keep_cache``: return each request's committed K/V (to check them against a
     recomputation). ``planted_bug``: a deliberate error for the tests to catch
-    (``"shifted_rows"``: each draft is checked against the target row one position early)."""
+    (``"rows_one_late"``: each draft is checked against the target row one position late)."""
     device = next(target.parameters()).device
     spec = speculation
     if spec.drafter not in ("none", "ngram", "model"):
@@ -340,9 +340,10 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
         kv_lens = new_kv_lens.to(torch.long)
         if finished_rows:
             if keep_cache:
-                for row in finished_rows:
-                    n = int(kv_lens[row])
-                    kept[live[row]] = [t[row, :, :n].clone() for t in cache.tensors()]
+                for row in finished_rows:  # positions past the stop were never emitted
+                    i = live[row]
+                    n = len(requests[i].prompt) + len(generated[i]) - 1
+                    kept[i] = [t[row, :, :n].clone() for t in cache.tensors()]
             keep = [r for r in range(len(live)) if r not in set(finished_rows)]
             if keep:
                 rows = torch.tensor(keep, dtype=torch.long, device=device)
@@ -398,9 +399,9 @@ def _plan(spec, drafter, adaptive, history, live, pending, kv_lens, seeds, offse
 def _verify(logits, plan: DraftPlan, cache: SlotCache, kv_lens, sampling: Sampling,
             spec: Speculation, seeds, offsets, planted_bug):
     params = sampling.kwargs()
-    if planted_bug == "shifted_rows" and not plan.is_tree:
-        # Planted: draft j is checked against the row before its own (off by one).
-        logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)
+    if planted_bug == "rows_one_late" and not plan.is_tree:
+        # Planted: draft j is checked against row j + 1, as if row 0 were the first draft's.
+        logits = torch.cat([logits[:, 1:], logits[:, -1:]], 1)
     if plan.is_tree:
         out = sk.verify_tree(logits, plan.tree_tokens(), plan.parents,
                              draft_probs=plan.draft_probs, draft_sampling=plan.draft_sampling,

@@ -154,25 +154,33 @@ def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: i
 
 
 def sampled_law(table: RowTable, samples: int, *, seed: int = 0,
-                planted_bug: Optional[str] = None) -> np.ndarray:
-    """Counts of (x1, x2) over ``samples`` speculative requests (cells of exact_law)."""
+                planted_bug: Optional[str] = None) -> tuple[np.ndarray, int]:
+    """(counts of (x1, x2) over ``samples`` speculative requests in the cells of exact_law,
+    count of requests outside them: impossible under the exact law)."""
     ngram = NgramDrafter()
     seeds = torch.arange(samples, dtype=torch.long) + seed * samples
     prefixes = [table.prompt] * samples
     emitted = _step(table, prefixes, seeds, 0, ngram, planted_bug)
-    short = [b for b, e in enumerate(emitted) if len(e) < 2]
+    short = [b for b, e in enumerate(emitted) if len(e) < 2 and e[0] in table.firsts]
     if short:
         more = _step(table, [table.prompt + (emitted[b][0],) for b in short], seeds[short], 1,
                      ngram, planted_bug)
         for b, e in zip(short, more):
             emitted[b] = emitted[b] + e
     counts = np.zeros((TOP_K, TOP_K))
+    outside = 0
     for e in emitted:
-        x1, x2 = e[0], e[1]
-        i = table.firsts.index(x1)
-        seconds = table.target[table.prompt + (x1,)].topk(TOP_K).indices.tolist()
-        counts[i, seconds.index(table.index[x2])] += 1
-    return counts
+        if len(e) < 2 or e[0] not in table.firsts:
+            outside += 1
+            continue
+        i = table.firsts.index(e[0])
+        seconds = table.target[table.prompt + (e[0],)].topk(TOP_K).indices.tolist()
+        j = table.index.get(e[1])
+        if j not in seconds:
+            outside += 1
+            continue
+        counts[i, seconds.index(j)] += 1
+    return counts, outside
 
 
 def chi_square(counts: np.ndarray, law: np.ndarray, *, alpha: float = 1e-3,
@@ -218,8 +226,11 @@ def first_two_tokens_test(target, draft, prompt: list[int], *, drafter: str,
         num_draft = 1 if drafter == "model" else 2
     table = RowTable(target, draft, prompt, num_draft, drafter, NgramDrafter())
     law = exact_law(table)
-    counts = sampled_law(table, samples, planted_bug=planted_bug)
+    counts, outside = sampled_law(table, samples, planted_bug=planted_bug)
     result = chi_square(counts, law, alpha=alpha)
+    if outside:  # a pair the exact law gives probability 0
+        result["p_value"] = 0.0
     result.update(drafter=drafter, num_draft=num_draft, planted_bug=planted_bug,
-                  vocab_rows=len(table.vocab), passed=result["p_value"] > alpha)
+                  outside_support=outside, vocab_rows=len(table.vocab),
+                  passed=result["p_value"] > alpha)
     return result
