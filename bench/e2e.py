@@ -1,7 +1,8 @@
 """``python -m bench.e2e``: speculative generation on a real model, side by side with plain
 decoding and transformers' own decoding, in one run.
 
-    python -m bench.e2e                         # the full sweep (~15 min on 2 CPU threads)
+    python -m bench.e2e                         # the CPU sweep (~15 min on 2 idle CPU threads)
+    python -m bench.e2e --preset full           # every K, both drafters, more prompts (hours)
     python -m bench.e2e --preset quick          # a few seconds of generation per row
     python -m bench.e2e --target FOLDER [--draft FOLDER | --draft-layers 8]
 
@@ -45,6 +46,7 @@ class Group:
     max_new_tokens: Optional[int] = None
     keep_cache: bool = False
     top_k: int = 0
+    plain: bool = True  # False: no plain baseline (the long KV-cache check alone)
 
 
 def _ng(k):
@@ -58,8 +60,22 @@ def _dm(k, tree=None, children="top_k"):
 ALL_PEERS = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
 
 PRESETS = {
-    # Ordered by what matters most, so a time budget drops the least important groups.
+    # Ordered by what matters most, so a time budget drops the least important runs.
     "cpu": [
+        Group("copy", 1, 0.0, 1, [_ng(4), _ng("adaptive"), _dm(2), _dm(0, tree=(2, 2, 1))],
+              ALL_PEERS, max_new_tokens=128),
+        Group("rare_terms", 1, 0.0, 1, [_ng("adaptive"), _dm("adaptive")],
+              ("hf_plain", "hf_prompt_lookup")),
+        Group("copy", 16, 0.0, 16, [_ng("adaptive")], max_new_tokens=48),
+        Group("copy", 1, 1.0, 1, [_ng("adaptive"), _dm(2)], ("hf_plain",),
+              max_new_tokens=128),
+        Group("long", 16, 0.0, 16, [_ng("adaptive")], keep_cache=True, max_new_tokens=640,
+              plain=False),
+        Group("copy", 4, 0.0, 4, [_ng("adaptive")], max_new_tokens=64),
+        Group("rare_terms", 16, 0.0, 16, [_ng("adaptive")], max_new_tokens=48),
+        Group("long", 1, 0.0, 1, [_ng("adaptive")]),
+    ],
+    "full": [
         Group("copy", 1, 0.0, 2, [_ng(2), _ng(4), _ng(8), _ng("adaptive"), _dm(2), _dm(4),
                                   _dm("adaptive"), _dm(0, tree=(2, 2, 1))], ALL_PEERS),
         Group("rare_terms", 1, 0.0, 2, [_ng(4), _ng("adaptive"), _dm(2), _dm("adaptive")],
@@ -69,12 +85,20 @@ PRESETS = {
                                   _dm(0, tree=(2, 2, 1), children="iid"),
                                   _dm(0, tree=(2, 2, 1), children="without_replacement")],
               ("hf_plain", "hf_prompt_lookup")),
-        Group("long", 16, 0.0, 16, [_ng("adaptive")], keep_cache=True, max_new_tokens=640),
+        Group("long", 16, 0.0, 16, [_ng("adaptive")], keep_cache=True),
         Group("copy", 4, 0.0, 4, [_ng(4), _ng("adaptive")]),
         Group("rare_terms", 16, 0.0, 16, [_ng("adaptive")]),
         Group("rare_terms", 4, 0.0, 4, [_ng("adaptive"), _dm("adaptive")]),
         Group("long", 1, 0.0, 1, [_ng("adaptive"), _dm("adaptive")], ("hf_plain",
                                                                        "hf_prompt_lookup")),
+    ],
+    # What fits in a few minutes: the batch-1 copy and rare_terms targets, copy at batch 16.
+    "short": [
+        Group("copy", 1, 0.0, 1, [_ng(4), _ng("adaptive")], ("hf_plain", "hf_prompt_lookup"),
+              max_new_tokens=128),
+        Group("rare_terms", 1, 0.0, 1, [_ng("adaptive")], max_new_tokens=64),
+        Group("copy", 16, 0.0, 16, [_ng("adaptive")], max_new_tokens=32),
+        Group("copy", 1, 1.0, 1, [_ng("adaptive")], max_new_tokens=128),
     ],
     "quick": [
         Group("copy", 1, 0.0, 1, [_ng(4), _ng("adaptive"), _dm(2), _dm(0, tree=(2, 1))],
@@ -184,6 +208,10 @@ def write_outputs(out: Path, report: dict, plots: bool = True) -> None:
         e2e_plots.acceptance_by_position(rows, out / "e2e_acceptance_by_position.png")
 
 
+def _cell(value, spec=".1f") -> str:
+    return "" if value is None else format(value, spec)
+
+
 def summary_table(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# End-to-end speculative generation\n",
@@ -196,13 +224,14 @@ def summary_table(report: dict) -> str:
              "|" + "---|" * 17]
     for r in report["rows"]:
         b = r["baselines"]
-        lines.append(
-            f"| {r['task']} | {r['batch']} | {r['temperature']:g} | {r['drafter']} | "
-            f"{r['method']} | {r['K']} | {r['tokens_per_s']:.1f} | {b.get('plain', 0):.1f} | "
-            f"{r['speedup_vs_plain']:.2f} | "
-            + " | ".join(f"{b[p]:.1f}" if p in b else "" for p in ALL_PEERS)
-            + f" | {r['mean_accepted']:.2f} | {r['draft_share']:.2f} | {r['p50_ms']:.0f} | "
-            f"{r['p99_ms']:.0f} | {'' if r['greedy_identical'] is None else r['greedy_identical']} |")
+        cells = [r["task"], r["batch"], f"{r['temperature']:g}", r["drafter"], r["method"],
+                 r["K"], _cell(r["tokens_per_s"]), _cell(b.get("plain")),
+                 _cell(r["speedup_vs_plain"], ".2f")]
+        cells += [_cell(b.get(p)) for p in ALL_PEERS]
+        cells += [_cell(r["mean_accepted"], ".2f"), _cell(r["draft_share"], ".2f"),
+                  _cell(r["p50_ms"], ".0f"), _cell(r["p99_ms"], ".0f"),
+                  "" if r["greedy_identical"] is None else r["greedy_identical"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     for name, check in report.get("checks", {}).items():
         lines.append(f"\n{name}: {json.dumps(check)}")
     return "\n".join(lines)
@@ -247,9 +276,11 @@ def main(argv=None) -> dict:
         sampling = Sampling(group.temperature, group.top_k)
         requests = task_requests(tokenizer, group.task, group.prompts,
                                  max_new_tokens=group.max_new_tokens)
-        plain_tokens, plain_stats, _ = run_ours(model, requests, group.batch, sampling,
-                                                Speculation(), None, eos)
-        baselines = {"plain": round(plain_stats.tokens / plain_stats.wall_s, 3)}
+        plain_tokens, baselines = None, {}
+        if group.plain:
+            plain_tokens, plain_stats, _ = run_ours(model, requests, group.batch, sampling,
+                                                    Speculation(), None, eos)
+            baselines["plain"] = round(plain_stats.tokens / plain_stats.wall_s, 3)
         if group.batch == 1:
             for peer in group.peers:
                 peer_tokens, wall = hf_generate(model, requests, sampling, peer,
@@ -258,10 +289,13 @@ def main(argv=None) -> dict:
         for spec in tqdm(group.specs, desc=f"{group.task} b{group.batch} "
                                            f"T{group.temperature:g}", leave=False):
             for method in (tree_methods if spec.tree else methods):
+                if args.time_budget and time.perf_counter() - started > args.time_budget:
+                    break
                 spec_m = E.replace(spec, method=method)
                 tokens, stats, kept = run_ours(model, requests, group.batch, sampling, spec_m,
                                                draft, eos, keep_cache=group.keep_cache)
-                identical = (tokens == plain_tokens) if sampling.greedy else None
+                identical = (tokens == plain_tokens) if sampling.greedy and group.plain \
+                    else None
                 extra = {}
                 if group.keep_cache:
                     worst = max(E.cache_recompute_error(model, r, t, k)
@@ -273,7 +307,8 @@ def main(argv=None) -> dict:
                 report["rows"].append(_row(meta, group, spec_m, method, stats, baselines,
                                            identical, extra))
                 write_outputs(out, report, plots=False)
-    if args.exactness_samples:
+    if args.exactness_samples and not (args.time_budget and time.perf_counter() - started
+                                       > args.time_budget):
         from specdec_kernels.e2e.exactness import first_two_tokens_test
         from specdec_kernels.e2e.tasks import encode
         prompt = encode(tokenizer, "Name a colour.")

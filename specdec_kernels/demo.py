@@ -5,7 +5,7 @@ speculation (n-gram prompt lookup with adaptive length; the model's own first 8 
 draft), verified by ``specdec_kernels``' ops: the text, tokens/s with and without
 speculation, the acceptance, and whether the tokens equal plain greedy decoding's.
 
-    python -m specdec_kernels.demo [--target FOLDER] [--tokens 64]
+    python -m specdec_kernels.demo [--target FOLDER] [--tokens 48]
     python -m specdec_kernels.demo --synthetic     # the verify ops alone, on synthetic logits
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--synthetic", action="store_true", help="the synthetic verify table")
     ap.add_argument("--target", default=None, help="a local model folder (default: embedded)")
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt at most")
+    ap.add_argument("--tokens", type=int, default=48, help="new tokens per prompt at most")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if args.synthetic:
