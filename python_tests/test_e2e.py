@@ -1,0 +1,103 @@
+"""End to end on the real (embedded) model: the loop's mechanics, greedy identity for every
+drafter and method, the committed KV cache against a recomputation, and the law of the first
+two sampled tokens against the exact law (chi-square, with a planted bug that it catches)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels.e2e import engine as E
+from specdec_kernels.e2e.drafters import NgramDrafter
+from specdec_kernels.e2e.engine import Request, Sampling, Speculation, generate
+
+
+@pytest.fixture(scope="module")
+def models():
+    from specdec_kernels.e2e.model import early_exit_draft, load_model
+    torch.set_num_threads(2)
+    model, tokenizer = load_model()
+    return model, early_exit_draft(model, 8), tokenizer
+
+
+@pytest.fixture(scope="module")
+def requests(models):
+    from specdec_kernels.e2e.tasks import task_requests
+    _, _, tokenizer = models
+    copy = task_requests(tokenizer, "copy", 2, max_new_tokens=10)
+    rare = task_requests(tokenizer, "rare_terms", 1, max_new_tokens=6)
+    # Different prompt lengths and budgets in one batch; the last one stops first.
+    return copy + rare
+
+
+def test_ngram_proposes_the_latest_continuation():
+    drafter = NgramDrafter(ngram_max=2)
+    assert drafter.propose([5, 6, 7, 1, 5, 6, 8, 2, 5, 6], 3) == [8, 2, 5]
+    assert drafter.propose([1, 2, 3], 2) == []         # no earlier occurrence of 3
+    assert drafter.propose([4, 9, 4], 5) == [9, 4]      # shorter than asked at the end
+
+
+def test_adaptive_length_backs_off_and_probes():
+    adaptive = E.AdaptiveLength(1, 8, verify_per_token=0.2)  # as if each position cost 20%
+    for _ in range(20):
+        adaptive.observe(0, 4, 0)
+    chosen = [adaptive.choose(0) for _ in range(16)]
+    assert chosen.count(0) == 14 and chosen.count(1) == 2   # probes every 8th step
+    for _ in range(20):
+        adaptive.observe(0, 8, 8)
+    assert adaptive.choose(0) == 8
+
+
+def test_verify_methods_include_token():
+    assert "token" in E.verify_methods("chain")
+    assert "token" in E.verify_methods("tree")
+
+
+def test_greedy_speculation_equals_plain_decoding(models, requests):
+    model, draft, tokenizer = models
+    eos = tokenizer.eos_token_id
+    plain = generate(model, requests, eos_token_id=eos)
+    assert [len(t) for t in plain.tokens] == [r.max_new_tokens for r in requests] or any(
+        t[-1] == eos for t in plain.tokens)
+    specs = [Speculation("ngram", 3), Speculation("ngram", "adaptive", max_draft_tokens=4),
+             Speculation("model", 2), Speculation("model", 0, tree=(2, 1))]
+    for spec in specs:
+        for method in E.verify_methods("tree" if spec.tree else "chain"):
+            result = generate(model, requests, Sampling(), E.replace(spec, method=method),
+                              draft_model=draft, eos_token_id=eos)
+            assert result.tokens == plain.tokens, (spec, method)
+            assert result.stats.steps < plain.stats.steps or spec.drafter == "ngram"
+
+
+def test_committed_cache_equals_recomputation(models, requests):
+    model, draft, tokenizer = models
+    for spec in (Speculation("model", 0, tree=(2, 2)), Speculation("ngram", 4)):
+        result = generate(model, requests, Sampling(1.0, top_k=20), spec, draft_model=draft,
+                          eos_token_id=tokenizer.eos_token_id, keep_cache=True)
+        for request, tokens, kept in zip(requests, result.tokens, result.caches):
+            assert kept[0].shape[1] == len(request.prompt) + len(tokens) - 1
+            assert E.cache_recompute_error(model, request, tokens, kept) < 1e-4
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_first_two_tokens_law(models, drafter):
+    """20,000 speculative requests; alpha = 1e-3; the reported distance is what the test
+    detects with power 0.99."""
+    from specdec_kernels.e2e.exactness import first_two_tokens_test
+    from specdec_kernels.e2e.tasks import encode
+    model, draft, tokenizer = models
+    result = first_two_tokens_test(model, draft, encode(tokenizer, EXACTNESS_PROMPT),
+                                   drafter=drafter, samples=20000)
+    assert result["passed"], result
+    assert result["detectable_distance"] < 0.01
+
+
+def test_first_two_tokens_law_catches_a_planted_bug(models):
+    from specdec_kernels.e2e.exactness import first_two_tokens_test
+    from specdec_kernels.e2e.tasks import encode
+    model, draft, tokenizer = models
+    result = first_two_tokens_test(model, draft, encode(tokenizer, EXACTNESS_PROMPT),
+                                   drafter="ngram", samples=20000, planted_bug="rows_one_late")
+    assert not result["passed"], result
+
+
+EXACTNESS_PROMPT = "Repeat after me: the cat sat on the mat. The cat sat on the"

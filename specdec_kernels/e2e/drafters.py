@@ -1,0 +1,233 @@
+"""Drafters: n-gram prompt lookup (deterministic, one-hot ``q``) and a draft model (any causal
+LM with the target's tokenizer) drafting chains and trees with its real ``q``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+import specdec_kernels as sk
+
+from .model import SlotCache, chain_visibility, forward_block
+
+DRAFT_SEED = 0x5EED_D4AF7  # the drafter's sample stream is keyed by seed + this
+NODE_OFFSETS = 1 << 10     # Philox offsets per step for the drafter's nodes
+
+
+@dataclass
+class DraftPlan:
+    """One step's drafts for the live batch. Node 0 is the pending token (the root);
+    ``tokens[:, i - 1]`` is node ``i``'s (``-1``: padding)."""
+    tokens: torch.Tensor                     # [B, N-1]
+    visible: torch.Tensor                    # [B, N, N] node j visible to node i
+    depth: torch.Tensor                      # [B, N]
+    num_draft: Optional[torch.Tensor] = None  # chain: [B] drafts per request
+    draft_logits: Optional[torch.Tensor] = None  # chain: [B, K, V] (None: one-hot q)
+    parents: Optional[torch.Tensor] = None   # tree: [B, N]
+    num_nodes: Optional[torch.Tensor] = None  # tree: [B]
+    draft_probs: Optional[torch.Tensor] = None  # tree: [B, N, V] (None: deterministic)
+    draft_sampling: str = "iid"
+    tree_depth: int = 0
+    accepted_nodes: Optional[torch.Tensor] = None  # filled by verification (trees)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def tree_tokens(self) -> torch.Tensor:
+        root = torch.full_like(self.tokens[:, :1], -1)
+        return torch.cat([root, self.tokens], 1)
+
+    def num_drafted(self, row: int) -> int:
+        """Most draft tokens the request can accept this step."""
+        return self.tree_depth if self.is_tree else int(self.num_draft[row])
+
+    def drafted_by_depth(self, row: int) -> list[int]:
+        return [1] * self.num_drafted(row)
+
+
+def _chain_plan(tokens: torch.Tensor, num_draft: torch.Tensor,
+                draft_logits: Optional[torch.Tensor] = None) -> DraftPlan:
+    batch, k = tokens.shape
+    visible, depth = chain_visibility(batch, k + 1, tokens.device)
+    return DraftPlan(tokens=tokens, visible=visible, depth=depth, num_draft=num_draft,
+                     draft_logits=draft_logits)
+
+
+class NgramDrafter:
+    """Prompt lookup: the continuation of the most recent earlier occurrence of the last
+    ``n`` tokens (``n = ngram_max .. 1``) in the request's prompt and output."""
+
+    def __init__(self, ngram_max: int = 3):
+        self.ngram_max = ngram_max
+
+    def propose(self, history: Sequence[int], length: int) -> list[int]:
+        if length <= 0 or len(history) < 2:
+            return []
+        tokens = np.asarray(history, dtype=np.int64)
+        for n in range(min(self.ngram_max, len(tokens) - 1), 0, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start:start + length].tolist()
+        return []
+
+    def draft(self, histories, lengths, device) -> Optional[DraftPlan]:
+        proposals = [self.propose(h, k) for h, k in zip(histories, lengths)]
+        width = max(len(p) for p in proposals)
+        tokens = torch.full((len(proposals), width), -1, dtype=torch.long)
+        for b, p in enumerate(proposals):
+            tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        num_draft = torch.tensor([len(p) for p in proposals], dtype=torch.long)
+        return _chain_plan(tokens.to(device), num_draft.to(device))
+
+
+class _TreeShape:
+    """A tree with ``branching[d]`` children per node at depth ``d``, nodes in level order."""
+
+    def __init__(self, branching: Sequence[int]):
+        self.branching = tuple(int(w) for w in branching)
+        if not self.branching or min(self.branching) < 1:
+            raise ValueError(f"tree: expected children per depth >= 1, got {branching}")
+        parents, levels, level = [-1], [(0, 1)], [0]
+        for width in self.branching:
+            nxt = []
+            for parent in level:
+                for _ in range(width):
+                    nxt.append(len(parents))
+                    parents.append(parent)
+            levels.append((nxt[0], nxt[-1] + 1))
+            level = nxt
+        self.parents = torch.tensor(parents, dtype=torch.long)
+        self.levels = levels  # (first node, end) per depth
+        self.num_nodes = len(parents)
+
+
+class ModelDrafter:
+    """A draft model with its own :class:`SlotCache` (same positions as the target's: node
+    ``i`` of a step at ``kv_lens[b] + i``). Committed tokens the draft has not seen yet (a
+    fully accepted chain's last draft, and the pending token) are fed before drafting."""
+
+    def __init__(self, model, prompts: Sequence[Sequence[int]], capacity: int, device,
+                 sampling, spec, seed: int = 0):
+        from .engine import _prefill  # the same prefill as the target's
+        self.model, self.sampling, self.spec = model, sampling, spec
+        self.cache = SlotCache(len(prompts), capacity)
+        self.draft_lens = _prefill(model, self.cache, [list(p) for p in prompts], device)
+        self.backlog: list[list[int]] = [[] for _ in prompts]
+        # Sampled tree children (torch.multinomial); chains use sk.sample's Philox stream.
+        self.generator = torch.Generator(device=device).manual_seed(seed + DRAFT_SEED)
+        self._shapes: dict = {}
+
+    def _shape(self, branching) -> _TreeShape:
+        key = tuple(branching)
+        if key not in self._shapes:
+            self._shapes[key] = _TreeShape(key)
+        return self._shapes[key]
+
+    def _root_logits(self, kv_lens, pending) -> torch.Tensor:
+        device = pending.device
+        feeds = [self.backlog[b] + [int(t)] for b, t in enumerate(pending.tolist())]
+        width = max(len(f) for f in feeds)
+        tokens = torch.zeros(len(feeds), width, dtype=torch.long, device=device)
+        for b, f in enumerate(feeds):
+            tokens[b, :len(f)] = torch.tensor(f, dtype=torch.long)
+        last = torch.tensor([len(f) - 1 for f in feeds], dtype=torch.long, device=device)
+        if not torch.equal(self.draft_lens + last, kv_lens):
+            raise RuntimeError("draft cache out of step with the target's")
+        visible, depth = chain_visibility(len(feeds), width, device)
+        return forward_block(self.model, self.cache, tokens, self.draft_lens, visible, depth,
+                             rows=last[:, None])
+
+    def skip(self, pending) -> None:
+        """A step without drafts: the pending token is committed unseen by the draft."""
+        for b, token in enumerate(pending.tolist()):
+            self.backlog[b].append(token)
+
+    def draft_chain(self, lengths, kv_lens, pending, seeds, offsets) -> Optional[DraftPlan]:
+        k = max(lengths)
+        if k == 0:
+            return None
+        plan = self.draft_tree((1,) * k, kv_lens, pending, seeds, offsets, chain=True)
+        plan.num_draft = torch.tensor(lengths, dtype=torch.long, device=pending.device)
+        return plan
+
+    def draft_tree(self, branching, kv_lens, pending, seeds, offsets,
+                   chain: bool = False) -> DraftPlan:
+        shape = self._shape(branching)
+        batch, device = pending.shape[0], pending.device
+        params = self.sampling.kwargs()
+        greedy = self.sampling.greedy
+        children = "top_k" if (greedy or chain) else self.spec.children
+        parents = shape.parents.to(device).expand(batch, -1)
+        attention = sk.build_tree_attention(parents, prefix_lens=kv_lens)
+        tokens = torch.full((batch, shape.num_nodes), -1, dtype=torch.long, device=device)
+        logits = self._root_logits(kv_lens, pending)          # [B, 1, V] at the root
+        vocab = logits.shape[-1]
+        row_logits, row_probs = [], []
+        depth_count = len(shape.branching)
+        for d, width in enumerate(shape.branching, start=1):
+            first, end = shape.levels[d]
+            flat = logits.reshape(-1, vocab)                  # one row per parent node
+            parent_nodes = torch.arange(*shape.levels[d - 1], device=device)
+            if chain and greedy:  # sk.sample at temperature 0 is the arg-max (lowest id)
+                picked = flat.argmax(-1, keepdim=True)
+                row_logits.append(logits)
+            elif chain:  # one child per node: a sample of q
+                node = parent_nodes[None, :].expand(batch, -1).reshape(-1)
+                picked = sk.sample(flat, seed=(seeds + DRAFT_SEED).repeat_interleave(
+                    parent_nodes.numel()), offset=offsets.repeat_interleave(
+                    parent_nodes.numel()) * NODE_OFFSETS + node, **params)[:, None]
+                row_logits.append(logits)
+            elif children == "top_k":
+                picked = flat.topk(width, dim=-1).indices
+            else:
+                q = sk.processed_probs(flat, **params)
+                picked = torch.multinomial(q, width, generator=self.generator,
+                                           replacement=children == "iid")
+                row_probs.append(q.reshape(batch, -1, vocab))
+            tokens[:, first:end] = picked.reshape(batch, -1).to(torch.long)
+            if d < depth_count:  # feed this level; its logits give the next level
+                logits = forward_block(self.model, self.cache, tokens[:, first:end], kv_lens,
+                                       attention.mask[:, first:end, :end],
+                                       attention.depth[:, first:end].to(torch.long),
+                                       write_offset=first)
+        if chain:
+            visible, depth = chain_visibility(batch, shape.num_nodes, device)
+            plan = DraftPlan(tokens=tokens[:, 1:], visible=visible, depth=depth,
+                             draft_logits=torch.cat(row_logits, 1))
+        else:
+            probs = None
+            if row_probs:
+                leaves = shape.num_nodes - sum(p.shape[1] for p in row_probs)
+                probs = torch.cat(row_probs + [row_probs[0].new_zeros(batch, leaves, vocab)],
+                                  1)
+            plan = DraftPlan(tokens=tokens[:, 1:], visible=attention.mask,
+                             depth=attention.depth.to(torch.long), parents=parents,
+                             num_nodes=torch.full((batch,), shape.num_nodes, dtype=torch.long,
+                                                  device=device),
+                             draft_probs=probs,
+                             draft_sampling="iid" if children != "without_replacement"
+                             else "without_replacement")
+        plan.tree_depth = depth_count
+        return plan
+
+    def commit(self, plan: DraftPlan, kv_lens, num_accepted, output_token_ids) -> None:
+        """After verification: keep the fed accepted path, queue the rest for next step."""
+        fed = plan.tree_depth - 1  # levels 1..depth-1 were fed to the draft
+        kept = num_accepted.clamp(max=fed)
+        if plan.is_tree:
+            sk.compact_kv_cache(self.cache.tensors(), kv_lens, plan.accepted_nodes, kept,
+                                layout="bhsd")
+        self.draft_lens = kv_lens + 1 + kept
+        out = output_token_ids.tolist()
+        for b, (k, a) in enumerate(zip(kept.tolist(), num_accepted.tolist())):
+            self.backlog[b] = out[b][k:a]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+        self.draft_lens = self.draft_lens[rows]
+        self.backlog = [self.backlog[r] for r in rows.tolist()]

