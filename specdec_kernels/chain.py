@@ -253,10 +253,10 @@ def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_lo
                           token_bitmask)
     if use_triton:
         from .triton import chain as _triton
-        _triton_features_missing(params, token_bitmask, return_logprobs)
+        _triton_features_missing(return_logprobs)
         out, accepted = _triton.verify_chain(target_logits, draft_token_ids, draft_probs,
                                              draft_logits, num_draft_tokens, params, seeds,
-                                             offsets)
+                                             offsets, token_bitmask=token_bitmask)
         return ChainVerifyOutput(out, accepted)
     out, accepted, logprobs = _reference.verify_chain(
         target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
@@ -265,13 +265,11 @@ def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_lo
     return ChainVerifyOutput(out, accepted, logprobs)
 
 
-def _triton_features_missing(params, token_bitmask, return_logprobs) -> None:
-    """Interim: the kernels do not take the section 8-9 arguments yet."""
-    for name, used in (("min_p", params.uses_min_p), ("token_bitmask", token_bitmask is not None),
-                       ("return_logprobs", return_logprobs is not None)):
-        if used:
-            raise NotImplementedError(f"{name}: not in the Triton kernels yet; use "
-                                      f"backend='reference'")
+def _triton_features_missing(return_logprobs) -> None:
+    """Interim: the kernels do not write logprobs (contract section 9) yet."""
+    if return_logprobs is not None:
+        raise NotImplementedError("return_logprobs: not in the Triton kernels yet; use "
+                                  "backend='reference'")
 
 
 def padded_inputs(layout: PackedLayout, target_logits, draft_token_ids, draft_probs,

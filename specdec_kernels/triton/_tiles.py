@@ -61,3 +61,17 @@ def quad_offsets(start, QUADS: tl.constexpr):
     """Token ids ``start + [0, 4*QUADS)`` as a ``[QUADS, 4]`` tile, the shape of
     ``trng.token_noise`` (``start`` a multiple of 4): one Philox per row of the tile."""
     return start + tl.arange(0, QUADS)[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
+def allowed_logits(x, offs, mask, bm_row_ptr, HAS_BITMASK: tl.constexpr):
+    """``x`` with the tokens whose bit is cleared in the row's ``token_bitmask`` as -inf
+    (bit ``v % 32`` of int32 word ``v // 32``: one word read per 32 logits). ``mask`` None
+    for a full tile. Without HAS_BITMASK, ``x`` unchanged (nothing compiled in)."""
+    if HAS_BITMASK:
+        if mask is None:
+            words = tl.load(bm_row_ptr + offs // 32)
+        else:
+            words = tl.load(bm_row_ptr + offs // 32, mask=mask, other=0)
+        x = tl.where(((words >> (offs % 32)) & 1) != 0, x, float("-inf"))
+    return x

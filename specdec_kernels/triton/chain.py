@@ -35,9 +35,12 @@ from .stats import row_stats
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  draft_probs: torch.Tensor | None, draft_logits: torch.Tensor | None,
                  num_draft_tokens: torch.Tensor, params, seeds: torch.Tensor,
-                 offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 offsets: torch.Tensor, *, token_bitmask: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32)``; arguments parsed
-    by the public layer (``num_draft_tokens`` int32 ``[B]``, seeds/offsets int64 ``[B]``)."""
+    by the public layer (``num_draft_tokens`` int32 ``[B]``, seeds/offsets int64 ``[B]``,
+    ``token_bitmask`` int32 ``[B, K+1, W]`` of the target rows: the draft logits never take
+    it)."""
     target_logits = last_dim_contiguous(target_logits)
     batch, rows, vocab = target_logits.shape
     num_drafts = rows - 1  # K
@@ -51,7 +54,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     if num_drafts == 0:  # never read: no draft is live
         draft_ids = scratch(device, torch.int32)
 
-    stats = row_stats(target_logits, params, merge_in_consumer=True)
+    bitmask = None if token_bitmask is None else token_bitmask.reshape(batch * rows, -1).contiguous()
+    stats = row_stats(target_logits, params, merge_in_consumer=True, bitmask=bitmask)
     q, q_stats = None, None
     if draft_logits is not None:
         q_mode = Q_LOGITS
@@ -67,5 +71,5 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         q_mode = Q_NONE  # no draft: the race is a bonus sample of p
     drafts = DraftInputs(draft_ids, num_draft_tokens.to(torch.int32).contiguous(), num_accepted,
                          q_mode, q, q_stats)
-    race(target_logits, stats, params, seeds, offsets, out, drafts)
+    race(target_logits, stats, params, seeds, offsets, out, drafts, bitmask=bitmask)
     return out, num_accepted

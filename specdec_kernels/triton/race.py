@@ -19,7 +19,8 @@ from .._rng import PURPOSE_RESAMPLE, PURPOSE_SAMPLE
 from . import _rng as trng
 from ._launch import (MAX_REGISTERS, block_size, cdiv, interpreted, launch_options, next_pow2,
                       num_sms, scratch)
-from ._tiles import block_best, exp2_scale, load_logits, processed_prob, quad_offsets, tile_best
+from ._tiles import (allowed_logits, block_best, exp2_scale, load_logits, processed_prob,
+                     quad_offsets, tile_best)
 from .stats import RowStats, load_row_stats
 
 # Q modes of the race kernel: what the residual max(p - q, 0) subtracts. Q_NONE: no draft
@@ -49,12 +50,13 @@ def _race_prob(x, x_base, x_thr, inv_norm, scale):
 
 @triton.jit
 def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
-                  q_base, q_thr, q_inv_norm, draft_token,
-                  Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+                  q_base, q_thr, q_inv_norm, draft_token, bm_row_ptr,
+                  Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """The race's weights at tokens ``offs`` (``mask`` None for a full tile): ``(p, w, nan)``
     with ``w`` the residual ``max(p - q, 0)`` and ``nan`` where ``p - q`` is NaN when
-    RESIDUAL, else ``w = p`` (never NaN). Masked-off tokens weigh 0."""
-    x = load_logits(row_ptr, offs, mask)
+    RESIDUAL, else ``w = p`` (never NaN). Masked-off tokens (and, HAS_BITMASK, tokens whose
+    bit is cleared) weigh 0; the draft's q never takes the bitmask."""
+    x = allowed_logits(load_logits(row_ptr, offs, mask), offs, mask, bm_row_ptr, HAS_BITMASK)
     p = _race_prob(x, x_base, x_thr, inv_norm, scale)
     if RESIDUAL:
         if Q_MODE == Q_ONE_HOT:
@@ -73,20 +75,21 @@ def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
 
 @triton.jit
 def _group_step(row_ptr, q_ptr, offs, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-                q_inv_norm, draft_token, lane_p, lane_r, lane_nan, MASKED: tl.constexpr,
-                Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+                q_inv_norm, draft_token, lane_p, lane_r, lane_nan, bm_row_ptr,
+                MASKED: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+                HAS_BITMASK: tl.constexpr):
     """One tile of ``_race_groups``: adds the tile's weights to the per-lane sums."""
     p, w, nan = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None,
                               x_base, x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm,
-                              draft_token, Q_MODE, RESIDUAL)
+                              draft_token, bm_row_ptr, Q_MODE, RESIDUAL, HAS_BITMASK)
     return lane_p + p, lane_r + w, tl.maximum(lane_nan, nan.to(tl.int32))
 
 
 @triton.jit
 def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
-                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position,
+                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position, bm_row_ptr,
                  PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """First level of the race (``_rng``: two-level race) over the token groups in
     ``[start_v, end_v)`` (``start_v`` a multiple of GROUP): each group's mass of p and, when
     RESIDUAL, of the residual, divided by the group's Exp(1) noise. Returns
@@ -110,12 +113,12 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
             lane_p, lane_r, lane_nan = _group_step(
                 row_ptr, q_ptr, start + tl.arange(0, BLOCK), group_end, x_base, x_thr,
                 inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, lane_p, lane_r,
-                lane_nan, False, Q_MODE, RESIDUAL)
+                lane_nan, bm_row_ptr, False, Q_MODE, RESIDUAL, HAS_BITMASK)
         if full_end < group_end:
             lane_p, lane_r, lane_nan = _group_step(
                 row_ptr, q_ptr, full_end + tl.arange(0, BLOCK), group_end, x_base, x_thr,
                 inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, lane_p, lane_r,
-                lane_nan, True, Q_MODE, RESIDUAL)
+                lane_nan, bm_row_ptr, True, Q_MODE, RESIDUAL, HAS_BITMASK)
         group = group_start // GROUP
         noise = trng.group_noise(seed, offset, position, PURPOSE, group)
         mass_p = tl.sum(lane_p, axis=0)
@@ -134,13 +137,13 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
 @triton.jit
 def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
                 q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx,
-                MASKED: tl.constexpr, PURPOSE: tl.constexpr, Q_MODE: tl.constexpr,
-                RESIDUAL: tl.constexpr, QUADS: tl.constexpr):
+                bm_row_ptr, MASKED: tl.constexpr, PURPOSE: tl.constexpr, Q_MODE: tl.constexpr,
+                RESIDUAL: tl.constexpr, QUADS: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """One ``[QUADS, 4]`` tile of ``_race_tokens``: per-lane winners, strict ``>``."""
     offs = quad_offsets(start, QUADS)
     _, w, _ = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None, x_base,
                             x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token,
-                            Q_MODE, RESIDUAL)
+                            bm_row_ptr, Q_MODE, RESIDUAL, HAS_BITMASK)
     noise = trng.token_noise(seed, offset, position, PURPOSE, start // 4, QUADS)
     score = tl.where(w > 0, w / noise, -1.0)
     take = score > lane_best
@@ -149,9 +152,9 @@ def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_
 
 @triton.jit
 def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
-                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position,
+                 q_base, q_thr, q_inv_norm, draft_token, seed, offset, position, bm_row_ptr,
                  PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """Second level of the race: ``argmax w_i / E_i`` over the tokens of ``group`` (lowest id
     among equal scores), ``w`` the residual when RESIDUAL, else p, and ``E_i`` the tokens'
     Philox Exp(1) noise, four tokens per Philox: ``[BLOCK // 4, 4]`` tiles, each thread owning
@@ -169,13 +172,13 @@ def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
     for start in range(start_v, full_end, BLOCK):
         lane_best, lane_idx = _token_step(
             row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, False,
-            PURPOSE, Q_MODE, RESIDUAL, QUADS)
+            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, bm_row_ptr,
+            False, PURPOSE, Q_MODE, RESIDUAL, QUADS, HAS_BITMASK)
     if full_end < end_v:
         lane_best, lane_idx = _token_step(
             row_ptr, q_ptr, full_end, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, True,
-            PURPOSE, Q_MODE, RESIDUAL, QUADS)
+            q_inv_norm, draft_token, seed, offset, position, lane_best, lane_idx, bm_row_ptr,
+            True, PURPOSE, Q_MODE, RESIDUAL, QUADS, HAS_BITMASK)
     best, idx = tile_best(lane_best, lane_idx)
     return tl.where(best >= 0, idx, -1)
 
@@ -192,9 +195,9 @@ def _num_draft_tokens(num_draft_tokens_ptr, req, K):
 def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
                    q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
                    stride_ids, num_draft_tokens, greedy, scale, seed, offset, V, K,
-                   Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+                   bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
                    STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
-                   Q_STATS_CHUNKS_P2: tl.constexpr):
+                   Q_STATS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """The chain's acceptance loop for request ``req`` (contract section 3): returns
     ``(num_accepted, rejected)``, ``rejected`` when a live, in-range draft was rejected (its
     residual is sampled next). Reads, per live draft, the id, 16 B of stats, one target
@@ -219,8 +222,10 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
         token = tl.where(valid, draft, 0)
         x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * (K + 1) + j,
                                                     valid, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
-        p = processed_prob(load_logits(logits_row + j64 * stride_row, token, valid),
-                           x_max, x_thr, norm, scale)
+        x = allowed_logits(load_logits(logits_row + j64 * stride_row, token, valid), token,
+                           valid, bitmask_ptr + (req * (K + 1) + j64) * bitmask_words,
+                           HAS_BITMASK)
+        p = processed_prob(x, x_max, x_thr, norm, scale)
         if Q_MODE == Q_PROBS:
             q = tl.load(q_row + j64 * stride_q_row + token, mask=valid, other=0.0).to(tl.float32)
         elif Q_MODE == Q_LOGITS:
@@ -281,13 +286,13 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr,
                  draft_ids_ptr, stride_ids, num_draft_tokens_ptr, num_accepted_ptr,
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
-                 part_score_ptr, part_index_ptr, V, K, chunk_size,
+                 part_score_ptr, part_index_ptr, V, K, chunk_size, bitmask_ptr, bitmask_words,
                  PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
                  STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                  Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
                  GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                 K_P2: tl.constexpr):
+                 K_P2: tl.constexpr, HAS_BITMASK: tl.constexpr = False):
     """One correction/bonus (chain) or sample token per request, by the two-level race over
     row ``num_accepted`` (chain) or 0 of the request.
 
@@ -306,7 +311,8 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     and 20 B of partial winners per program of STAGE_GROUPS. Compute: ~10 operations per
     token of the row and one Philox per group for the first level; one Philox-4x32-10 per
     four tokens and a log per token for the winning group only. Greedy requests read none
-    of it: the arg-max comes from the statistics.
+    of it: the arg-max comes from the statistics. HAS_BITMASK: every target logit read is
+    masked by its row's ``token_bitmask`` word (4 B per 32 logits read; rows ``[B*(K+1), W]``).
     """
     req = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -323,7 +329,8 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
             stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr, stride_ids,
             _num_draft_tokens(num_draft_tokens_ptr, req, K), greedy, scale, seed, offset, V, K,
-            Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+            bitmask_ptr, bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
+            Q_STATS_CHUNKS_P2, HAS_BITMASK)
         if STAGE == STAGE_GROUPS:
             if chunk == 0:  # the token itself follows from STAGE_TOKENS
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
@@ -335,6 +342,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     row = req * rows_per_req + num_accepted
     row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
                + num_accepted.to(tl.int64) * stride_row)
+    bm_row_ptr = bitmask_ptr + row.to(tl.int64) * bitmask_words
     x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, row,
                                                 tl.full([], 1, tl.int1), scale,
                                                 STATS_CHUNKS, STATS_CHUNKS_P2)
@@ -389,12 +397,12 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                 best_p, group_p, best_r, group_r, has_nan = _race_groups(
                     row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
                     q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
-                    PURPOSE, Q_MODE, True, GROUP, MASS_BLOCK)
+                    bm_row_ptr, PURPOSE, Q_MODE, True, GROUP, MASS_BLOCK, HAS_BITMASK)
             else:
                 best_p, group_p, best_r, group_r, has_nan = _race_groups(
                     row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
                     q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
-                    PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK)
+                    bm_row_ptr, PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK, HAS_BITMASK)
         if STAGE == STAGE_GROUPS:
             part = req * NUM_CHUNKS + chunk
             tl.store(part_score_ptr + part * 2 + 0, best_p)
@@ -415,12 +423,12 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                     token = _race_tokens(
                         row_ptr, q_row_ptr, group_r, V, x_base, x_thr, inv_norm, scale,
                         q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
-                        PURPOSE, Q_MODE, True, GROUP, BLOCK)
+                        bm_row_ptr, PURPOSE, Q_MODE, True, GROUP, BLOCK, HAS_BITMASK)
             elif best_p >= 0:
                 token = _race_tokens(
                     row_ptr, q_row_ptr, group_p, V, x_base, x_thr, inv_norm, scale,
                     q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
-                    PURPOSE, Q_MODE, False, GROUP, BLOCK)
+                    bm_row_ptr, PURPOSE, Q_MODE, False, GROUP, BLOCK, HAS_BITMASK)
         if IS_CHAIN:
             if STAGE == STAGE_BOTH:
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
@@ -469,12 +477,15 @@ class DraftInputs(NamedTuple):
 
 
 def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
-         offsets: torch.Tensor, out: torch.Tensor, drafts: DraftInputs | None = None) -> None:
+         offsets: torch.Tensor, out: torch.Tensor, drafts: DraftInputs | None = None,
+         bitmask: torch.Tensor | None = None) -> None:
     """Launch the race over ``logits`` ``[B, K + 1, V]`` (last dim contiguous) with their
     ``row_stats``: one launch when V is one chunk, else the first level over chunks and the
     second per request. Writes ``out[b, num_accepted[b]]`` of ``out`` ``[B, K + 1]`` (and, with
     ``drafts``, the accepted drafts, the -1 padding and ``num_accepted``); without drafts
-    (``sample``: K = 0) one token per request into ``out[b, 0]``."""
+    (``sample``: K = 0) one token per request into ``out[b, 0]``. ``bitmask``: int32
+    ``[B * (K + 1), W]`` ``token_bitmask`` rows of the target logits (contiguous); None
+    compiles it out."""
     batch, rows_per_req, vocab = logits.shape
     device = logits.device
     if batch == 0:
@@ -496,12 +507,16 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
             q, q_strides[0], q_strides[1], q_stats.stats, q_stats.argmax,
             drafts.token_ids, drafts.token_ids.stride(0), drafts.num_draft_tokens,
             drafts.num_accepted, params.temperature, seeds, offsets, out, out.stride(0),
-            part_score, part_index, vocab, num_drafts, chunk)
+            part_score, part_index, vocab, num_drafts, chunk,
+            bitmask if bitmask is not None else dummy_i,
+            bitmask.shape[-1] if bitmask is not None else 0)
     constexprs = dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                       IS_CHAIN=is_chain, Q_MODE=int(drafts.q_mode), NUM_CHUNKS=num_chunks,
                       CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
                       BLOCK=block, K_P2=next_pow2(num_drafts + 1), **stats.constexprs(),
                       **q_stats.constexprs("Q_"), **launch_options(device, 4))
+    if bitmask is not None:  # compiled in only when used
+        constexprs["HAS_BITMASK"] = True
     if num_chunks == 1:
         _race_kernel[(batch, 1)](*args, STAGE=int(STAGE_BOTH), **constexprs)
     else:
@@ -531,7 +546,7 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                        temperature_ptr="*fp32",
                        seed_ptr="*i64", offset_ptr="*i64", out_ptr="*i32", stride_out="i32",
                        part_score_ptr="*fp32", part_index_ptr="*i32", V="i32", K="i32",
-                       chunk_size="i32"),
+                       chunk_size="i32", bitmask_ptr="*i32", bitmask_words="i32"),
         constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                         IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
                         CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import filters
 from ._launch import block_size, cdiv, interpreted, next_pow2, num_sms, scratch
-from ._tiles import exp2_scale, load_logits
+from ._tiles import allowed_logits, exp2_scale, load_logits
 from .filters import filter_threshold
 
 
@@ -54,12 +54,14 @@ def _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale):
 
 @triton.jit
 def _stats_step(row_ptr, offs, end_v, scale, lane_max, lane_sum, lane_arg, lane_min, lane_count,
-                MASKED: tl.constexpr, TRACK_RANGE: tl.constexpr):
+                bm_row_ptr, MASKED: tl.constexpr, TRACK_RANGE: tl.constexpr,
+                HAS_BITMASK: tl.constexpr):
     """One [LANES, R] tile of ``_stream_stats``."""
     if MASKED:
         x = load_logits(row_ptr, offs, offs < end_v)
     else:
         x = load_logits(row_ptr, offs, None)
+    x = allowed_logits(x, offs, offs < end_v if MASKED else None, bm_row_ptr, HAS_BITMASK)
     tile_max = tl.max(x, axis=1)
     tile_arg = tl.min(tl.where(x == tile_max[:, None], offs, 2147483647), axis=1)
     new_max = tl.maximum(lane_max, tile_max)
@@ -79,8 +81,8 @@ def _stats_step(row_ptr, offs, end_v, scale, lane_max, lane_sum, lane_arg, lane_
 
 
 @triton.jit
-def _stream_stats(row_ptr, start_v, end_v, scale, TRACK_RANGE: tl.constexpr,
-                  BLOCK: tl.constexpr, R: tl.constexpr):
+def _stream_stats(row_ptr, start_v, end_v, scale, bm_row_ptr, TRACK_RANGE: tl.constexpr,
+                  BLOCK: tl.constexpr, R: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """One streaming pass over tokens [start_v, end_v) of a row, in [BLOCK // R, R] tiles.
 
     Lane l of the tile keeps its own running max, online-softmax sum, earliest arg-max and
@@ -88,7 +90,8 @@ def _stream_stats(row_ptr, start_v, end_v, scale, TRACK_RANGE: tl.constexpr,
     iteration: one rescaling exp per R logits instead of one per logit, and an element-wise
     loop body (no CTA-wide reduction, no barrier). The lanes are merged once at the end.
     Full tiles load without a mask (so R logits are one vector load); only the last, partial
-    tile is masked.
+    tile is masked. HAS_BITMASK: the row's ``token_bitmask`` words are read with the logits
+    (tokens whose bit is cleared count as -inf).
     """
     LANES: tl.constexpr = BLOCK // R
     lane_max = tl.full([LANES], float("-inf"), tl.float32)
@@ -101,29 +104,31 @@ def _stream_stats(row_ptr, start_v, end_v, scale, TRACK_RANGE: tl.constexpr,
     for start in range(start_v, full_end, BLOCK):
         lane_max, lane_sum, lane_arg, lane_min, lane_count = _stats_step(
             row_ptr, start + tile, end_v, scale, lane_max, lane_sum, lane_arg, lane_min,
-            lane_count, False, TRACK_RANGE)
+            lane_count, bm_row_ptr, False, TRACK_RANGE, HAS_BITMASK)
     if full_end < end_v:
         lane_max, lane_sum, lane_arg, lane_min, lane_count = _stats_step(
             row_ptr, full_end + tile, end_v, scale, lane_max, lane_sum, lane_arg, lane_min,
-            lane_count, True, TRACK_RANGE)
+            lane_count, bm_row_ptr, True, TRACK_RANGE, HAS_BITMASK)
     return _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale)
 
 
 
 @triton.jit
 def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
-                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, cand_key_ptr, cand_e_ptr,
-                USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
+                temperature, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, argmax_ptr,
+                cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K: tl.constexpr,
+                USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
                 BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                CAP: tl.constexpr):
-    """Applies top-k then top-p to a row's merged statistics (``filter_threshold``) and stores
+                CAP: tl.constexpr, HAS_BITMASK: tl.constexpr):
+    """Applies top-k, min-p, then top-p to a row's merged statistics (``filter_threshold``) and stores
     ``(x_max, x_thr, norm)`` and the arg-max."""
     # A row with no finite logit: id 0, never emitted.
     best = tl.where(x_max > float("-inf"), best, 0)
     x_thr, norm = filter_threshold(row_ptr, r, req, V, x_max, total, x_min, num_finite, greedy,
-                                   scale, top_k_ptr, top_p_ptr, cand_key_ptr, cand_e_ptr,
-                                   USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S,
-                                   NUM_PIVOTS, CAP)
+                                   scale, temperature, top_k_ptr, top_p_ptr, min_p_ptr,
+                                   cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K, USE_TOP_P,
+                                   USE_MIN_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP,
+                                   HAS_BITMASK)
     tl.store(stats_ptr + r * 3 + 0, x_max)
     tl.store(stats_ptr + r * 3 + 1, x_thr)
     tl.store(stats_ptr + r * 3 + 2, norm)
@@ -131,48 +136,58 @@ def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greed
 
 
 @triton.jit
-def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr):
+def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr,
+               bitmask_ptr, bitmask_words):
     """Row ``r`` of the statistics: its request, the row's pointer, whether the request is
-    greedy and its ``exp2_scale``."""
+    greedy, its ``exp2_scale``, its temperature and its ``token_bitmask`` row (row ``r`` of
+    ``[rows, bitmask_words]``; only read with HAS_BITMASK)."""
     req = r // rows_per_req
     row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
                + (r % rows_per_req).to(tl.int64) * stride_row)
     temperature = tl.load(temperature_ptr + req)
-    return req, row_ptr, temperature == 0.0, exp2_scale(temperature)
+    return (req, row_ptr, temperature == 0.0, exp2_scale(temperature), temperature,
+            bitmask_ptr + r.to(tl.int64) * bitmask_words)
 
 
 @triton.jit
 def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                       temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
-                      part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V, chunk_size,
+                      part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V, min_p_ptr,
+                      bitmask_ptr, bitmask_words, chunk_size,
                       USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
                       NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
                       BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                      CAP: tl.constexpr):
+                      CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
+                      HAS_BITMASK: tl.constexpr = False):
     """Per-row statistics of the processed distribution; grid (rows, NUM_CHUNKS), program
     (r, c) streams tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of row r.
 
-    NUM_CHUNKS == 1: the program finishes its row (top-k/top-p and the stores). Otherwise it
+    NUM_CHUNKS == 1: the program finishes its row (top-k/min-p/top-p and the stores). Otherwise it
     writes its chunk's partial statistics and ``_row_stats_finish_kernel`` merges them: a
     row split over programs keeps every SM busy when B * (K + 1) rows are fewer than SMs.
 
     Bytes: reads V * elem_size once per row; writes 16 B per row (3 float32 + 1 int32), or
     20 B of partials per program; plus V * elem_size per pivot pass for a row whose top-k or
     top-p is active (~log_9(key span) passes each, <= 6 for bf16, <= 11 for fp32); rows with
-    the filters off (and greedy rows) do no pass beyond the first.
+    the filters off (and greedy rows) do no pass beyond the first; one pass for a row whose
+    min-p is active (over top-k's candidates when it has them). HAS_BITMASK: V / 8 B more of
+    ``token_bitmask`` words per pass.
     """
     r = tl.program_id(0)
     chunk = tl.program_id(1)
-    req, row_ptr, greedy, scale = _stats_row(r, logits_ptr, stride_req, stride_row,
-                                             rows_per_req, temperature_ptr)
+    req, row_ptr, greedy, scale, temperature, bm_row_ptr = _stats_row(
+        r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr, bitmask_ptr,
+        bitmask_words)
     start_v = chunk * chunk_size
     end_v = tl.minimum(start_v + chunk_size, V)
     x_max, total, best, x_min, num_finite = _stream_stats(
-        row_ptr, start_v, end_v, scale, USE_TOP_K or USE_TOP_P, BLOCK, R)
+        row_ptr, start_v, end_v, scale, bm_row_ptr, USE_TOP_K or USE_TOP_P or USE_MIN_P, BLOCK,
+        R, HAS_BITMASK)
     if NUM_CHUNKS == 1:
         _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
-                    top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, cand_key_ptr, cand_e_ptr,
-                    USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
+                    temperature, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, argmax_ptr,
+                    cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K, USE_TOP_P, USE_MIN_P,
+                    KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
     else:
         part = r * NUM_CHUNKS + chunk
         tl.store(part_f_ptr + part * 3 + 0, x_max)
@@ -186,17 +201,20 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
 def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                              temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                              part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V,
+                             min_p_ptr, bitmask_ptr, bitmask_words,
                              USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
                              KEY_SHIFT: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                              CHUNKS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
                              UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                             CAP: tl.constexpr):
+                             CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
+                             HAS_BITMASK: tl.constexpr = False):
     """Merges the NUM_CHUNKS partial statistics of one row (grid rows), then finishes it as
     ``_row_stats_kernel`` does. Bytes: reads 20 B per chunk (plus the pivot passes of rows
     whose filters are active), writes 16 B."""
     r = tl.program_id(0)
-    req, row_ptr, greedy, scale = _stats_row(r, logits_ptr, stride_req, stride_row,
-                                             rows_per_req, temperature_ptr)
+    req, row_ptr, greedy, scale, temperature, bm_row_ptr = _stats_row(
+        r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr, bitmask_ptr,
+        bitmask_words)
     chunks = tl.arange(0, CHUNKS_P2)
     valid = chunks < NUM_CHUNKS
     part = r * NUM_CHUNKS + chunks
@@ -207,8 +225,9 @@ def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         tl.load(part_f_ptr + part * 3 + 2, mask=valid, other=float("inf")),
         tl.load(part_i_ptr + part * 2 + 1, mask=valid, other=0), scale)
     _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
-                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, cand_key_ptr, cand_e_ptr,
-                USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
+                temperature, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, argmax_ptr,
+                cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K, USE_TOP_P, USE_MIN_P,
+                KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
 
 
 @triton.jit
@@ -292,15 +311,18 @@ class RowStats(NamedTuple):
                 f"{prefix}STATS_CHUNKS_P2": next_pow2(self.chunks)}
 
 
-def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False) -> RowStats:
+def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
+              bitmask: torch.Tensor | None = None) -> RowStats:
     """Launch ``_row_stats_kernel`` (and ``_row_stats_finish_kernel`` when rows are split)
     over the ``B * R`` rows of ``logits`` ``[B, R, V]`` (last dim contiguous, any strides
     otherwise), statistics row ``b * R + r``, request ``b``.
 
     ``merge_in_consumer``: when rows are split and no filter is on, the finish kernel would
     only merge the partials; skip its launch and return the partials, which the consuming
-    kernel merges as it reads a row (``load_row_stats``). Filtered rows are always finished
-    here (their threshold search runs in the finish kernel)."""
+    kernel merges as it reads a row (``load_row_stats``). Filtered rows (top-k, top-p, min-p)
+    are always finished here (their threshold search runs in the finish kernel).
+    ``bitmask``: int32 ``[B * R, W]`` ``token_bitmask`` rows (contiguous), read in the same
+    passes; None compiles it out."""
     batch, rows_per_req, vocab = logits.shape
     rows = batch * rows_per_req
     device = logits.device
@@ -315,7 +337,8 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False) 
         part_f, part_i = scratch(device, torch.float32), scratch(device, torch.int32)
     use_top_k = bool(params.uses_top_k) and not params.all_greedy
     use_top_p = bool(params.uses_top_p) and not params.all_greedy
-    finish = num_chunks > 1 and (use_top_k or use_top_p or not merge_in_consumer)
+    use_min_p = bool(params.uses_min_p) and not params.all_greedy
+    finish = num_chunks > 1 and (use_top_k or use_top_p or use_min_p or not merge_in_consumer)
     if num_chunks == 1 or finish:
         stats = torch.empty((rows, 3), dtype=torch.float32, device=device)
         argmax = torch.empty(rows, dtype=torch.int32, device=device)
@@ -330,7 +353,15 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False) 
     constexprs = dict(USE_TOP_K=use_top_k, USE_TOP_P=use_top_p,
                       KEY_SHIFT=filters.KEY_SHIFTS[logits.dtype], NUM_CHUNKS=num_chunks, CAP=cap)
     args = (logits, logits.stride(0), logits.stride(1), rows_per_req, params.temperature,
-            params.top_k, params.top_p, stats, argmax, part_f, part_i, cand_key, cand_e, vocab)
+            params.top_k, params.top_p, stats, argmax, part_f, part_i, cand_key, cand_e, vocab,
+            params.min_p if use_min_p else scratch(device, torch.float32),
+            bitmask if bitmask is not None else scratch(device, torch.int32),
+            bitmask.shape[-1] if bitmask is not None else 0)
+    # Contract section 8's features, compiled in only when used (a plain call pays nothing).
+    if use_min_p:
+        constexprs["USE_MIN_P"] = True
+    if bitmask is not None:
+        constexprs["HAS_BITMASK"] = True
     options = dict(num_warps=1 if interpreted(device) else 8)
     block_s, unroll_s, num_pivots = filters.search_config(vocab, device, options["num_warps"])
     _row_stats_kernel[(rows, num_chunks)](
@@ -340,7 +371,7 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False) 
         return RowStats(stats, argmax, 1)
     if not finish:
         return RowStats(part_f, part_i, num_chunks)
-    if cap > 0 and not interpreted(device):
+    if (cap > 0 or use_min_p) and not interpreted(device):  # the finish searches
         options = dict(num_warps=FINISH_SEARCH_WARPS)
     block_s, unroll_s, num_pivots = filters.search_config(vocab, device, options["num_warps"])
     _row_stats_finish_kernel[(rows,)](
@@ -354,7 +385,8 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False) 
 _STATS_SIGNATURE = dict(
     stride_req="i32", stride_row="i32", rows_per_req="i32", temperature_ptr="*fp32",
     top_k_ptr="*i32", top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32",
-    part_f_ptr="*fp32", part_i_ptr="*i32", cand_key_ptr="*i32", cand_e_ptr="*fp32", V="i32")
+    part_f_ptr="*fp32", part_i_ptr="*i32", cand_key_ptr="*i32", cand_e_ptr="*fp32", V="i32",
+    min_p_ptr="*fp32", bitmask_ptr="*i32", bitmask_words="i32")
 
 
 def _stats_spec(dtype: str, key_shift: int, filtered: bool, chunks: int = 1) -> dict:
