@@ -253,23 +253,14 @@ def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_lo
                           token_bitmask)
     if use_triton:
         from .triton import chain as _triton
-        _triton_features_missing(return_logprobs)
-        out, accepted = _triton.verify_chain(target_logits, draft_token_ids, draft_probs,
-                                             draft_logits, num_draft_tokens, params, seeds,
-                                             offsets, token_bitmask=token_bitmask)
-        return ChainVerifyOutput(out, accepted)
+        return ChainVerifyOutput(*_triton.verify_chain(
+            target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens, params,
+            seeds, offsets, token_bitmask=token_bitmask, return_logprobs=return_logprobs))
     out, accepted, logprobs = _reference.verify_chain(
         target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
         params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,
         token_bitmask=token_bitmask, return_logprobs=return_logprobs)
     return ChainVerifyOutput(out, accepted, logprobs)
-
-
-def _triton_features_missing(return_logprobs) -> None:
-    """Interim: the kernels do not write logprobs (contract section 9) yet."""
-    if return_logprobs is not None:
-        raise NotImplementedError("return_logprobs: not in the Triton kernels yet; use "
-                                  "backend='reference'")
 
 
 def padded_inputs(layout: PackedLayout, target_logits, draft_token_ids, draft_probs,

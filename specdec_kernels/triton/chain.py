@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ._launch import last_dim_contiguous, scratch
+from ._tiles import LOGPROBS_KINDS, LOGPROBS_RAW
 from .race import Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS, DraftInputs, race
 from .stats import row_stats
 
@@ -35,9 +36,10 @@ from .stats import row_stats
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  draft_probs: torch.Tensor | None, draft_logits: torch.Tensor | None,
                  num_draft_tokens: torch.Tensor, params, seeds: torch.Tensor,
-                 offsets: torch.Tensor, *, token_bitmask: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32)``; arguments parsed
+                 offsets: torch.Tensor, *, token_bitmask: torch.Tensor | None = None,
+                 return_logprobs: str | None = None):
+    """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32, logprobs)``
+    (``logprobs`` float32 ``[B, K+1]`` with ``return_logprobs``, else None); arguments parsed
     by the public layer (``num_draft_tokens`` int32 ``[B]``, seeds/offsets int64 ``[B]``,
     ``token_bitmask`` int32 ``[B, K+1, W]`` of the target rows: the draft logits never take
     it)."""
@@ -47,15 +49,19 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     device = target_logits.device
     out = torch.empty((batch, rows), dtype=torch.int32, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
+    logprobs = None if return_logprobs is None else \
+        torch.empty((batch, rows), dtype=torch.float32, device=device)
     if batch == 0:
-        return out, num_accepted
+        return out, num_accepted, logprobs
     draft_ids = draft_token_ids if draft_token_ids.stride(-1) == 1 or num_drafts <= 1 \
         else draft_token_ids.contiguous()
     if num_drafts == 0:  # never read: no draft is live
         draft_ids = scratch(device, torch.int32)
 
     bitmask = None if token_bitmask is None else token_bitmask.reshape(batch * rows, -1).contiguous()
-    stats = row_stats(target_logits, params, merge_in_consumer=True, bitmask=bitmask)
+    kind = LOGPROBS_KINDS[return_logprobs]
+    stats = row_stats(target_logits, params, merge_in_consumer=True, bitmask=bitmask,
+                      raw=kind == int(LOGPROBS_RAW))
     q, q_stats = None, None
     if draft_logits is not None:
         q_mode = Q_LOGITS
@@ -71,5 +77,6 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         q_mode = Q_NONE  # no draft: the race is a bonus sample of p
     drafts = DraftInputs(draft_ids, num_draft_tokens.to(torch.int32).contiguous(), num_accepted,
                          q_mode, q, q_stats)
-    race(target_logits, stats, params, seeds, offsets, out, drafts, bitmask=bitmask)
-    return out, num_accepted
+    race(target_logits, stats, params, seeds, offsets, out, drafts, bitmask=bitmask,
+         logprobs=logprobs, logprobs_kind=kind)
+    return out, num_accepted, logprobs

@@ -19,9 +19,9 @@ from .._rng import PURPOSE_RESAMPLE, PURPOSE_SAMPLE
 from . import _rng as trng
 from ._launch import (MAX_REGISTERS, block_size, cdiv, interpreted, launch_options, next_pow2,
                       num_sms, scratch)
-from ._tiles import (allowed_logits, block_best, exp2_scale, load_logits, processed_prob,
-                     quad_offsets, tile_best)
-from .stats import RowStats, load_row_stats
+from ._tiles import (LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, block_best, exp2_scale,
+                     load_logits, processed_prob, quad_offsets, tile_best, token_logprob)
+from .stats import RowStats, load_raw_stats, load_row_stats
 
 # Q modes of the race kernel: what the residual max(p - q, 0) subtracts. Q_NONE: no draft
 # (``sample``, or a chain with K = 0); the residual variant is then not compiled in.
@@ -195,11 +195,13 @@ def _num_draft_tokens(num_draft_tokens_ptr, req, K):
 def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
                    q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
                    stride_ids, num_draft_tokens, greedy, scale, seed, offset, V, K,
-                   bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
-                   STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
-                   Q_STATS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr):
+                   bitmask_ptr, bitmask_words, raw_ptr, Q_MODE: tl.constexpr,
+                   STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
+                   Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
+                   HAS_BITMASK: tl.constexpr, LOGPROBS: tl.constexpr, K_P2: tl.constexpr):
     """The chain's acceptance loop for request ``req`` (contract section 3): returns
-    ``(num_accepted, rejected)``, ``rejected`` when a live, in-range draft was rejected (its
+    ``(num_accepted, rejected, draft_logprobs)`` (the ``[K_P2]`` logprobs of the drafts from
+    the values already gathered, with LOGPROBS; else zeros), ``rejected`` when a live, in-range draft was rejected (its
     residual is sampled next). Reads, per live draft, the id, 16 B of stats, one target
     logit and one draft probability, or one draft logit and 12 B of its stats (12 B per
     chunk where ``row_stats`` left partials). Out-of-range ids (validate=False) are rejected
@@ -212,6 +214,8 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
     accepting = num_draft_tokens > 0
     num_accepted = tl.full([], 0, tl.int32)
     rejected = tl.full([], 0, tl.int1)
+    positions = tl.arange(0, K_P2)
+    draft_logprobs = tl.zeros([K_P2], tl.float32)
     for j in range(0, K):
         j64 = tl.zeros([], tl.int64) + j  # the interpreter's loop index is a Python int
         # Loads do not wait for the previous draft's verdict (a few bytes more past the first
@@ -243,7 +247,12 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
         rejected = rejected | (accepting & valid & ~accepted)
         accepting = accepting & accepted
         num_accepted += accepting.to(tl.int32)
-    return num_accepted, rejected
+        if LOGPROBS != LOGPROBS_NONE:  # an accepted draft is allowed: x is its logit as given
+            raw_max, raw_log_sum = load_raw_stats(raw_ptr, req * (K + 1) + j, valid, LOGPROBS)
+            draft_logprobs = tl.where(positions == j, token_logprob(
+                x, x_max, x_thr, norm, scale, greedy, raw_max, raw_log_sum, token, LOGPROBS),
+                draft_logprobs)
+    return num_accepted, rejected, draft_logprobs
 
 
 @triton.jit
@@ -256,6 +265,18 @@ def _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids, num_ac
                      mask=positions < num_accepted, other=-1).to(tl.int32)
     row = tl.where(positions < num_accepted, drafts, tl.where(positions == num_accepted, token, -1))
     tl.store(out_ptr + req.to(tl.int64) * stride_out + positions, row, mask=positions < K + 1)
+
+
+@triton.jit
+def _store_logprob_row(logprobs_ptr, stride_lp, req, draft_logprobs, num_accepted, final, K,
+                       K_P2: tl.constexpr):
+    """Row ``req`` of ``logprobs`` in one store: the accepted drafts', ``final`` at
+    ``num_accepted`` (NaN until the token is known), then NaN."""
+    positions = tl.arange(0, K_P2)
+    row = tl.where(positions < num_accepted, draft_logprobs,
+                   tl.where(positions == num_accepted, final, float("nan")))
+    tl.store(logprobs_ptr + req.to(tl.int64) * stride_lp + positions, row,
+             mask=positions < K + 1)
 
 
 @triton.jit
@@ -287,12 +308,13 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  draft_ids_ptr, stride_ids, num_draft_tokens_ptr, num_accepted_ptr,
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
                  part_score_ptr, part_index_ptr, V, K, chunk_size, bitmask_ptr, bitmask_words,
-                 PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
+                 raw_ptr, logprobs_ptr, stride_lp, PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
                  STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                  Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
                  GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                 K_P2: tl.constexpr, HAS_BITMASK: tl.constexpr = False):
+                 K_P2: tl.constexpr, HAS_BITMASK: tl.constexpr = False,
+                 LOGPROBS: tl.constexpr = 0):
     """One correction/bonus (chain) or sample token per request, by the two-level race over
     row ``num_accepted`` (chain) or 0 of the request.
 
@@ -313,6 +335,9 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     four tokens and a log per token for the winning group only. Greedy requests read none
     of it: the arg-max comes from the statistics. HAS_BITMASK: every target logit read is
     masked by its row's ``token_bitmask`` word (4 B per 32 logits read; rows ``[B*(K+1), W]``).
+    LOGPROBS (processed, raw): also writes ``logprobs`` like the tokens, from the statistics
+    already loaded and one gathered logit per emitted token (raw: 8 B of T = 1 statistics
+    per row).
     """
     req = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -321,21 +346,25 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     scale = exp2_scale(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
+    draft_logprobs = tl.zeros([K_P2], tl.float32)
     if STAGE == STAGE_TOKENS:
         num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_tokens_ptr,
                                               draft_ids_ptr, stride_ids, V, K, IS_CHAIN)
     elif IS_CHAIN:
-        num_accepted, rejected = _accept_drafts(
+        num_accepted, rejected, draft_logprobs = _accept_drafts(
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
             stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr, stride_ids,
             _num_draft_tokens(num_draft_tokens_ptr, req, K), greedy, scale, seed, offset, V, K,
-            bitmask_ptr, bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
-            Q_STATS_CHUNKS_P2, HAS_BITMASK)
+            bitmask_ptr, bitmask_words, raw_ptr, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2,
+            Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2, HAS_BITMASK, LOGPROBS, K_P2)
         if STAGE == STAGE_GROUPS:
             if chunk == 0:  # the token itself follows from STAGE_TOKENS
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
                                  num_accepted, -1, K, K_P2)
                 tl.store(num_accepted_ptr + req, num_accepted)
+                if LOGPROBS != LOGPROBS_NONE:
+                    _store_logprob_row(logprobs_ptr, stride_lp, req, draft_logprobs,
+                                       num_accepted, float("nan"), K, K_P2)
     else:
         num_accepted = tl.full([], 0, tl.int32)
         rejected = tl.full([], 0, tl.int1)
@@ -429,15 +458,30 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                     row_ptr, q_row_ptr, group_p, V, x_base, x_thr, inv_norm, scale,
                     q_base, q_thr, q_inv_norm, draft_token, seed, offset, num_accepted,
                     bm_row_ptr, PURPOSE, Q_MODE, False, GROUP, BLOCK, HAS_BITMASK)
+        final_logprob = tl.full([], float("nan"), tl.float32)
+        if LOGPROBS != LOGPROBS_NONE:  # one gathered logit: the token won, so it is allowed
+            emitted = token >= 0
+            raw_max, raw_log_sum = load_raw_stats(raw_ptr, row, emitted, LOGPROBS)
+            final_logprob = token_logprob(
+                load_logits(row_ptr, tl.maximum(token, 0), emitted), x_max, x_thr, norm, scale,
+                greedy, raw_max, raw_log_sum, token, LOGPROBS)
         if IS_CHAIN:
             if STAGE == STAGE_BOTH:
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
                                  num_accepted, token, K, K_P2)
                 tl.store(num_accepted_ptr + req, num_accepted)
+                if LOGPROBS != LOGPROBS_NONE:
+                    _store_logprob_row(logprobs_ptr, stride_lp, req, draft_logprobs,
+                                       num_accepted, final_logprob, K, K_P2)
             else:
                 tl.store(out_ptr + req.to(tl.int64) * stride_out + num_accepted, token)
+                if LOGPROBS != LOGPROBS_NONE:
+                    tl.store(logprobs_ptr + req.to(tl.int64) * stride_lp + num_accepted,
+                             final_logprob)
         else:
             tl.store(out_ptr + req.to(tl.int64) * stride_out, token)
+            if LOGPROBS != LOGPROBS_NONE:
+                tl.store(logprobs_ptr + req.to(tl.int64) * stride_lp, final_logprob)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -478,14 +522,16 @@ class DraftInputs(NamedTuple):
 
 def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
          offsets: torch.Tensor, out: torch.Tensor, drafts: DraftInputs | None = None,
-         bitmask: torch.Tensor | None = None) -> None:
+         bitmask: torch.Tensor | None = None, logprobs: torch.Tensor | None = None,
+         logprobs_kind: int = 0) -> None:
     """Launch the race over ``logits`` ``[B, K + 1, V]`` (last dim contiguous) with their
     ``row_stats``: one launch when V is one chunk, else the first level over chunks and the
     second per request. Writes ``out[b, num_accepted[b]]`` of ``out`` ``[B, K + 1]`` (and, with
     ``drafts``, the accepted drafts, the -1 padding and ``num_accepted``); without drafts
     (``sample``: K = 0) one token per request into ``out[b, 0]``. ``bitmask``: int32
     ``[B * (K + 1), W]`` ``token_bitmask`` rows of the target logits (contiguous); None
-    compiles it out."""
+    compiles it out. ``logprobs``: float32 like ``out``, written at the same places with
+    ``logprobs_kind`` (``LOGPROBS_KINDS``; raw reads ``stats.raw``)."""
     batch, rows_per_req, vocab = logits.shape
     device = logits.device
     if batch == 0:
@@ -509,7 +555,10 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
             drafts.num_accepted, params.temperature, seeds, offsets, out, out.stride(0),
             part_score, part_index, vocab, num_drafts, chunk,
             bitmask if bitmask is not None else dummy_i,
-            bitmask.shape[-1] if bitmask is not None else 0)
+            bitmask.shape[-1] if bitmask is not None else 0,
+            stats.raw if logprobs_kind == int(LOGPROBS_RAW) else dummy_f,
+            logprobs if logprobs is not None else dummy_f,
+            logprobs.stride(0) if logprobs is not None else 0)
     constexprs = dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                       IS_CHAIN=is_chain, Q_MODE=int(drafts.q_mode), NUM_CHUNKS=num_chunks,
                       CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
@@ -517,6 +566,8 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
                       **q_stats.constexprs("Q_"), **launch_options(device, 4))
     if bitmask is not None:  # compiled in only when used
         constexprs["HAS_BITMASK"] = True
+    if logprobs_kind != int(LOGPROBS_NONE):
+        constexprs["LOGPROBS"] = logprobs_kind
     if num_chunks == 1:
         _race_kernel[(batch, 1)](*args, STAGE=int(STAGE_BOTH), **constexprs)
     else:
@@ -546,7 +597,8 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                        temperature_ptr="*fp32",
                        seed_ptr="*i64", offset_ptr="*i64", out_ptr="*i32", stride_out="i32",
                        part_score_ptr="*fp32", part_index_ptr="*i32", V="i32", K="i32",
-                       chunk_size="i32", bitmask_ptr="*i32", bitmask_words="i32"),
+                       chunk_size="i32", bitmask_ptr="*i32", bitmask_words="i32",
+                       raw_ptr="*fp32", logprobs_ptr="*fp32", stride_lp="i32"),
         constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                         IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
                         CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import filters
 from ._launch import block_size, cdiv, interpreted, next_pow2, num_sms, scratch
-from ._tiles import allowed_logits, exp2_scale, load_logits
+from ._tiles import LOG2E, LOGPROBS_RAW, allowed_logits, exp2_scale, load_logits
 from .filters import filter_threshold
 
 
@@ -53,36 +53,47 @@ def _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale):
 
 
 @triton.jit
-def _stats_step(row_ptr, offs, end_v, scale, lane_max, lane_sum, lane_arg, lane_min, lane_count,
-                bm_row_ptr, MASKED: tl.constexpr, TRACK_RANGE: tl.constexpr,
-                HAS_BITMASK: tl.constexpr):
-    """One [LANES, R] tile of ``_stream_stats``."""
-    if MASKED:
-        x = load_logits(row_ptr, offs, offs < end_v)
-    else:
-        x = load_logits(row_ptr, offs, None)
-    x = allowed_logits(x, offs, offs < end_v if MASKED else None, bm_row_ptr, HAS_BITMASK)
-    tile_max = tl.max(x, axis=1)
-    tile_arg = tl.min(tl.where(x == tile_max[:, None], offs, 2147483647), axis=1)
+def _online_sum(lane_max, lane_sum, x, tile_max, scale):
+    """One tile of an online softmax sum per lane: the new running max and
+    ``sum(exp2((x - max) * scale))`` rescaled to it."""
     new_max = tl.maximum(lane_max, tile_max)
-    # Offsets increase along a lane, so a strict > keeps the lane's earliest arg-max.
-    lane_arg = tl.where(tile_max > lane_max, tile_arg, lane_arg)
     # Exponents are taken from a finite base (0 while the lane has seen no finite logit), so
     # a -inf logit gives exactly 0 without a per-logit test. An unchanged max rescales by
     # exactly 1; a lane leaving -inf rescales its sum 0 by 0.
     base = tl.where(new_max > float("-inf"), new_max, 0.0)
     rescale = tl.where(lane_max == new_max, 1.0, tl.exp2((lane_max - base) * scale))
-    lane_sum = lane_sum * rescale + tl.sum(tl.exp2((x - base[:, None]) * scale), axis=1)
+    return new_max, lane_sum * rescale + tl.sum(tl.exp2((x - base[:, None]) * scale), axis=1)
+
+
+@triton.jit
+def _stats_step(row_ptr, offs, end_v, scale, lane_max, lane_sum, lane_arg, lane_min, lane_count,
+                bm_row_ptr, lane_raw_max, lane_raw_sum, MASKED: tl.constexpr,
+                TRACK_RANGE: tl.constexpr, HAS_BITMASK: tl.constexpr, RAW: tl.constexpr):
+    """One [LANES, R] tile of ``_stream_stats``."""
+    if MASKED:
+        x = load_logits(row_ptr, offs, offs < end_v)
+    else:
+        x = load_logits(row_ptr, offs, None)
+    if RAW:  # the model's own row: T = 1, before the bitmask
+        lane_raw_max, lane_raw_sum = _online_sum(lane_raw_max, lane_raw_sum, x,
+                                                 tl.max(x, axis=1), LOG2E)
+    x = allowed_logits(x, offs, offs < end_v if MASKED else None, bm_row_ptr, HAS_BITMASK)
+    tile_max = tl.max(x, axis=1)
+    tile_arg = tl.min(tl.where(x == tile_max[:, None], offs, 2147483647), axis=1)
+    # Offsets increase along a lane, so a strict > keeps the lane's earliest arg-max.
+    lane_arg = tl.where(tile_max > lane_max, tile_arg, lane_arg)
+    new_max, lane_sum = _online_sum(lane_max, lane_sum, x, tile_max, scale)
     if TRACK_RANGE:
         finite = x > float("-inf")
         lane_min = tl.minimum(lane_min, tl.min(tl.where(finite, x, float("inf")), axis=1))
         lane_count += tl.sum(finite.to(tl.int32), axis=1)
-    return new_max, lane_sum, lane_arg, lane_min, lane_count
+    return new_max, lane_sum, lane_arg, lane_min, lane_count, lane_raw_max, lane_raw_sum
 
 
 @triton.jit
 def _stream_stats(row_ptr, start_v, end_v, scale, bm_row_ptr, TRACK_RANGE: tl.constexpr,
-                  BLOCK: tl.constexpr, R: tl.constexpr, HAS_BITMASK: tl.constexpr):
+                  BLOCK: tl.constexpr, R: tl.constexpr, HAS_BITMASK: tl.constexpr,
+                  RAW: tl.constexpr):
     """One streaming pass over tokens [start_v, end_v) of a row, in [BLOCK // R, R] tiles.
 
     Lane l of the tile keeps its own running max, online-softmax sum, earliest arg-max and
@@ -91,7 +102,8 @@ def _stream_stats(row_ptr, start_v, end_v, scale, bm_row_ptr, TRACK_RANGE: tl.co
     loop body (no CTA-wide reduction, no barrier). The lanes are merged once at the end.
     Full tiles load without a mask (so R logits are one vector load); only the last, partial
     tile is masked. HAS_BITMASK: the row's ``token_bitmask`` words are read with the logits
-    (tokens whose bit is cleared count as -inf).
+    (tokens whose bit is cleared count as -inf). RAW: also the max and sum of the unmasked
+    row at T = 1 (raw logprobs), returned after the five statistics (else 0, 0).
     """
     LANES: tl.constexpr = BLOCK // R
     lane_max = tl.full([LANES], float("-inf"), tl.float32)
@@ -99,17 +111,27 @@ def _stream_stats(row_ptr, start_v, end_v, scale, bm_row_ptr, TRACK_RANGE: tl.co
     lane_arg = tl.full([LANES], 2147483647, tl.int32)
     lane_min = tl.full([LANES], float("inf"), tl.float32)
     lane_count = tl.zeros([LANES], tl.int32)
+    lane_raw_max = tl.full([LANES], float("-inf"), tl.float32)
+    lane_raw_sum = tl.zeros([LANES], tl.float32)
     tile = tl.arange(0, LANES)[:, None] * R + tl.arange(0, R)[None, :]
     full_end = start_v + (end_v - start_v) // BLOCK * BLOCK
     for start in range(start_v, full_end, BLOCK):
-        lane_max, lane_sum, lane_arg, lane_min, lane_count = _stats_step(
-            row_ptr, start + tile, end_v, scale, lane_max, lane_sum, lane_arg, lane_min,
-            lane_count, bm_row_ptr, False, TRACK_RANGE, HAS_BITMASK)
+        lane_max, lane_sum, lane_arg, lane_min, lane_count, lane_raw_max, lane_raw_sum = \
+            _stats_step(row_ptr, start + tile, end_v, scale, lane_max, lane_sum, lane_arg,
+                        lane_min, lane_count, bm_row_ptr, lane_raw_max, lane_raw_sum, False,
+                        TRACK_RANGE, HAS_BITMASK, RAW)
     if full_end < end_v:
-        lane_max, lane_sum, lane_arg, lane_min, lane_count = _stats_step(
-            row_ptr, full_end + tile, end_v, scale, lane_max, lane_sum, lane_arg, lane_min,
-            lane_count, bm_row_ptr, True, TRACK_RANGE, HAS_BITMASK)
-    return _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale)
+        lane_max, lane_sum, lane_arg, lane_min, lane_count, lane_raw_max, lane_raw_sum = \
+            _stats_step(row_ptr, full_end + tile, end_v, scale, lane_max, lane_sum, lane_arg,
+                        lane_min, lane_count, bm_row_ptr, lane_raw_max, lane_raw_sum, True,
+                        TRACK_RANGE, HAS_BITMASK, RAW)
+    x_max, total, best, x_min, num_finite = _combine_stats(lane_max, lane_sum, lane_arg,
+                                                           lane_min, lane_count, scale)
+    raw_max = tl.full([], 0.0, tl.float32)
+    raw_sum = tl.full([], 0.0, tl.float32)
+    if RAW:
+        raw_max, raw_sum, _ = _merge_max_sum(lane_raw_max, lane_raw_sum, lane_arg, LOG2E)
+    return x_max, total, best, x_min, num_finite, raw_max, raw_sum
 
 
 
@@ -153,12 +175,12 @@ def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_
 def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                       temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                       part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V, min_p_ptr,
-                      bitmask_ptr, bitmask_words, chunk_size,
+                      bitmask_ptr, bitmask_words, raw_ptr, chunk_size,
                       USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
                       NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
                       BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
                       CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
-                      HAS_BITMASK: tl.constexpr = False):
+                      HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False):
     """Per-row statistics of the processed distribution; grid (rows, NUM_CHUNKS), program
     (r, c) streams tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of row r.
 
@@ -171,7 +193,9 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
     top-p is active (~log_9(key span) passes each, <= 6 for bf16, <= 11 for fp32); rows with
     the filters off (and greedy rows) do no pass beyond the first; one pass for a row whose
     min-p is active (over top-k's candidates when it has them). HAS_BITMASK: V / 8 B more of
-    ``token_bitmask`` words per pass.
+    ``token_bitmask`` words per pass. RAW (raw logprobs): 8 B more per row or program (the
+    T = 1 max and sum of the unmasked row, to ``raw_ptr``: ``[rows, 2]`` finished, then the
+    ``[rows, NUM_CHUNKS, 2]`` partials).
     """
     r = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -180,14 +204,17 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         bitmask_words)
     start_v = chunk * chunk_size
     end_v = tl.minimum(start_v + chunk_size, V)
-    x_max, total, best, x_min, num_finite = _stream_stats(
+    x_max, total, best, x_min, num_finite, raw_max, raw_sum = _stream_stats(
         row_ptr, start_v, end_v, scale, bm_row_ptr, USE_TOP_K or USE_TOP_P or USE_MIN_P, BLOCK,
-        R, HAS_BITMASK)
+        R, HAS_BITMASK, RAW)
     if NUM_CHUNKS == 1:
         _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
                     temperature, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, argmax_ptr,
                     cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K, USE_TOP_P, USE_MIN_P,
                     KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
+        if RAW:
+            tl.store(raw_ptr + r * 2 + 0, raw_max)
+            tl.store(raw_ptr + r * 2 + 1, raw_sum)
     else:
         part = r * NUM_CHUNKS + chunk
         tl.store(part_f_ptr + part * 3 + 0, x_max)
@@ -195,19 +222,23 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         tl.store(part_f_ptr + part * 3 + 2, x_min)
         tl.store(part_i_ptr + part * 2 + 0, best)
         tl.store(part_i_ptr + part * 2 + 1, num_finite)
+        if RAW:  # the partials after the finished rows, merged by the finish kernel
+            raw_parts = raw_ptr + tl.num_programs(0).to(tl.int64) * 2
+            tl.store(raw_parts + part * 2 + 0, raw_max)
+            tl.store(raw_parts + part * 2 + 1, raw_sum)
 
 
 @triton.jit
 def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                              temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                              part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V,
-                             min_p_ptr, bitmask_ptr, bitmask_words,
+                             min_p_ptr, bitmask_ptr, bitmask_words, raw_ptr,
                              USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
                              KEY_SHIFT: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                              CHUNKS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
                              UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
                              CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
-                             HAS_BITMASK: tl.constexpr = False):
+                             HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False):
     """Merges the NUM_CHUNKS partial statistics of one row (grid rows), then finishes it as
     ``_row_stats_kernel`` does. Bytes: reads 20 B per chunk (plus the pivot passes of rows
     whose filters are active), writes 16 B."""
@@ -228,6 +259,26 @@ def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                 temperature, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, argmax_ptr,
                 cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K, USE_TOP_P, USE_MIN_P,
                 KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
+    if RAW:
+        raw_parts = raw_ptr + tl.num_programs(0).to(tl.int64) * 2
+        raw_max, raw_sum, _ = _merge_max_sum(
+            tl.load(raw_parts + part * 2 + 0, mask=valid, other=float("-inf")),
+            tl.load(raw_parts + part * 2 + 1, mask=valid, other=0.0), chunks, LOG2E)
+        tl.store(raw_ptr + r * 2 + 0, raw_max)
+        tl.store(raw_ptr + r * 2 + 1, raw_sum)
+
+
+@triton.jit
+def load_raw_stats(raw_ptr, row, mask, LOGPROBS: tl.constexpr):
+    """``(max, log(sum(exp(x - max))))`` of statistics row ``row`` at T = 1 without filters or
+    bitmask (``row_stats(raw=True)``); only read when LOGPROBS is raw (else 0, 0)."""
+    if LOGPROBS == LOGPROBS_RAW:
+        raw_max = tl.load(raw_ptr + row * 2 + 0, mask=mask, other=0.0)
+        raw_log_sum = tl.log(tl.load(raw_ptr + row * 2 + 1, mask=mask, other=1.0))
+    else:
+        raw_max = tl.full([], 0.0, tl.float32)
+        raw_log_sum = tl.full([], 0.0, tl.float32)
+    return raw_max, raw_log_sum
 
 
 @triton.jit
@@ -304,6 +355,7 @@ class RowStats(NamedTuple):
     stats: torch.Tensor   # float32 [rows, 3] (x_max, x_thr, norm); partials: [rows, chunks, 3]
     argmax: torch.Tensor  # int32 [rows]; partials: [rows, chunks, 2] (arg-max, finite count)
     chunks: int           # 1: finished rows; > 1: unmerged partials (the STATS_CHUNKS constexpr)
+    raw: torch.Tensor | None = None  # float32 [rows, 2]: T = 1 (max, sum) with raw=True
 
     def constexprs(self, prefix: str = "") -> dict:
         """The consumer's constexprs (``Q_`` prefix: the draft logits' statistics)."""
@@ -312,7 +364,7 @@ class RowStats(NamedTuple):
 
 
 def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
-              bitmask: torch.Tensor | None = None) -> RowStats:
+              bitmask: torch.Tensor | None = None, raw: bool = False) -> RowStats:
     """Launch ``_row_stats_kernel`` (and ``_row_stats_finish_kernel`` when rows are split)
     over the ``B * R`` rows of ``logits`` ``[B, R, V]`` (last dim contiguous, any strides
     otherwise), statistics row ``b * R + r``, request ``b``.
@@ -322,7 +374,8 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     kernel merges as it reads a row (``load_row_stats``). Filtered rows (top-k, top-p, min-p)
     are always finished here (their threshold search runs in the finish kernel).
     ``bitmask``: int32 ``[B * R, W]`` ``token_bitmask`` rows (contiguous), read in the same
-    passes; None compiles it out."""
+    passes; None compiles it out. ``raw``: also the T = 1 statistics of the unmasked rows
+    (``RowStats.raw``, for raw logprobs; rows split are then finished here too)."""
     batch, rows_per_req, vocab = logits.shape
     rows = batch * rows_per_req
     device = logits.device
@@ -338,7 +391,8 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     use_top_k = bool(params.uses_top_k) and not params.all_greedy
     use_top_p = bool(params.uses_top_p) and not params.all_greedy
     use_min_p = bool(params.uses_min_p) and not params.all_greedy
-    finish = num_chunks > 1 and (use_top_k or use_top_p or use_min_p or not merge_in_consumer)
+    finish = num_chunks > 1 and (use_top_k or use_top_p or use_min_p or raw
+                                 or not merge_in_consumer)
     if num_chunks == 1 or finish:
         stats = torch.empty((rows, 3), dtype=torch.float32, device=device)
         argmax = torch.empty(rows, dtype=torch.int32, device=device)
@@ -357,6 +411,12 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
             params.min_p if use_min_p else scratch(device, torch.float32),
             bitmask if bitmask is not None else scratch(device, torch.int32),
             bitmask.shape[-1] if bitmask is not None else 0)
+    raw_stats = None
+    if raw:  # finished [rows, 2], then the [rows, chunks, 2] partials when split
+        raw_stats = torch.empty(rows * 2 * (1 + (num_chunks if num_chunks > 1 else 0)),
+                                dtype=torch.float32, device=device)
+        constexprs["RAW"] = True
+    args += (raw_stats if raw_stats is not None else scratch(device, torch.float32),)
     # Contract section 8's features, compiled in only when used (a plain call pays nothing).
     if use_min_p:
         constexprs["USE_MIN_P"] = True
@@ -367,8 +427,9 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     _row_stats_kernel[(rows, num_chunks)](
         *args, chunk, BLOCK=block, R=STATS_R, BLOCK_S=block_s, UNROLL_S=unroll_s,
         NUM_PIVOTS=num_pivots, **options, **constexprs)
+    raw_rows = None if raw_stats is None else raw_stats[:rows * 2].view(rows, 2)
     if num_chunks == 1:
-        return RowStats(stats, argmax, 1)
+        return RowStats(stats, argmax, 1, raw_rows)
     if not finish:
         return RowStats(part_f, part_i, num_chunks)
     if (cap > 0 or use_min_p) and not interpreted(device):  # the finish searches
@@ -377,7 +438,7 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     _row_stats_finish_kernel[(rows,)](
         *args, CHUNKS_P2=next_pow2(num_chunks), BLOCK_S=block_s, UNROLL_S=unroll_s,
         NUM_PIVOTS=num_pivots, **options, **constexprs)
-    return RowStats(stats, argmax, 1)
+    return RowStats(stats, argmax, 1, raw_rows)
 
 
 # ----------------------------------------------------------------------------- compile registry
@@ -386,7 +447,7 @@ _STATS_SIGNATURE = dict(
     stride_req="i32", stride_row="i32", rows_per_req="i32", temperature_ptr="*fp32",
     top_k_ptr="*i32", top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32",
     part_f_ptr="*fp32", part_i_ptr="*i32", cand_key_ptr="*i32", cand_e_ptr="*fp32", V="i32",
-    min_p_ptr="*fp32", bitmask_ptr="*i32", bitmask_words="i32")
+    min_p_ptr="*fp32", bitmask_ptr="*i32", bitmask_words="i32", raw_ptr="*fp32")
 
 
 def _stats_spec(dtype: str, key_shift: int, filtered: bool, chunks: int = 1) -> dict:

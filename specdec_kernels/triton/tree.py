@@ -38,9 +38,9 @@ from .. import _rng
 from . import _rng as trng
 from ._launch import (MAX_REGISTERS, block_size, last_dim_contiguous, launch_options, next_pow2,
                       scratch)
-from ._tiles import (allowed_logits, exp2_scale, load_logits, processed_prob, quad_offsets,
-                     tile_best)
-from .stats import load_row_stats, row_stats
+from ._tiles import (LOGPROBS_KINDS, LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, exp2_scale,
+                     load_logits, processed_prob, quad_offsets, tile_best, token_logprob)
+from .stats import load_raw_stats, load_row_stats, row_stats
 
 # Draft modes of the walk (the MODE constexpr): how a node's children were drawn.
 MODE_DETERMINISTIC = tl.constexpr(0)      # no draft_probs: deterministic candidates
@@ -116,9 +116,11 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                       q_ptr, stride_qb, stride_qn, ids_ptr, stride_ib, parents_ptr, stride_pb,
                       num_nodes_ptr, temperature_ptr, seed_ptr, offset_ptr,
                       out_ptr, path_ptr, num_accepted_ptr, V, N, bitmask_ptr, bitmask_words,
+                      raw_ptr, logprobs_ptr,
                       MODE: tl.constexpr, N_P2: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK: tl.constexpr, STATS_CHUNKS: tl.constexpr,
-                      STATS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr = False):
+                      STATS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr = False,
+                      LOGPROBS: tl.constexpr = 0):
     """The walk and the final sample of one request (grid B).
 
     Bytes per request: per node, its parent and id (8-16 B); per tested child, 12 + 4 B of
@@ -129,7 +131,9 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     the node, one Philox-4x32-10 per four tokens of the final pass. Both kinds of pass keep
     per-lane accumulators (mass, winner) and reduce across lanes once after the loop.
     HAS_BITMASK: every target logit read is masked by its node's ``token_bitmask`` word
-    (rows ``[B*N, W]``; 4 B per 32 logits read).
+    (rows ``[B*N, W]``; 4 B per 32 logits read). LOGPROBS (processed, raw): ``logprobs``
+    like ``out``, an accepted node's at its parent's row, the final token's at the last
+    accepted node's row, from the values already gathered (raw: 8 B of T = 1 statistics).
     """
     req = tl.program_id(0)
     req64 = req.to(tl.int64)
@@ -152,6 +156,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     # The accepted path (root first) and its tokens.
     path = tl.where(idx == 0, 0, -1)
     out = tl.full([N_P2], -1, tl.int32)
+    logprobs = tl.full([N_P2], float("nan"), tl.float32)
 
     current = tl.full([], 0, tl.int32)
     depth = tl.full([], 0, tl.int32)
@@ -230,6 +235,11 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
             p_mass = tl.where(rejected & (has_mass != 0), new_mass, p_mass)
             if MODE == MODE_WITHOUT_REPLACEMENT:
                 q_mass = tl.where(rejected, q_mass - tl.where(gone, 0.0, q_x), q_mass)
+        if LOGPROBS != LOGPROBS_NONE:  # at the parent's (current) row, before the move
+            raw_max, raw_log_sum = load_raw_stats(raw_ptr, req * N + current, tested, LOGPROBS)
+            logprobs = tl.where(accept & (idx == depth), token_logprob(
+                x_token, x_max, x_thr, norm, scale, greedy, raw_max, raw_log_sum, token,
+                LOGPROBS), logprobs)
         tokens = tl.where(rejected & (idx == steps), token, tokens)
         steps = tl.where(rejected, steps + 1, steps)
 
@@ -301,15 +311,24 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     tl.store(out_ptr + req64 * N + idx, out, mask=live)
     tl.store(path_ptr + req64 * N + idx, path, mask=live)
     tl.store(num_accepted_ptr + req, depth)
+    if LOGPROBS != LOGPROBS_NONE:  # one gathered logit: the token won, so it is allowed
+        emitted = final >= 0
+        raw_max, raw_log_sum = load_raw_stats(raw_ptr, req * N + current, emitted, LOGPROBS)
+        final_logprob = token_logprob(
+            load_logits(row_ptr, tl.maximum(final, 0), emitted), x_max, x_thr, norm, scale,
+            greedy, raw_max, raw_log_sum, final, LOGPROBS)
+        logprobs = tl.where(idx == depth, final_logprob, logprobs)
+        tl.store(logprobs_ptr + req64 * N + idx, logprobs, mask=live)
 
 
 def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
                 parents: torch.Tensor, draft_probs: torch.Tensor | None, draft_sampling: str,
                 num_nodes: torch.Tensor, params, seeds: torch.Tensor,
-                offsets: torch.Tensor, *, token_bitmask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                offsets: torch.Tensor, *, token_bitmask: torch.Tensor | None = None,
+                return_logprobs: str | None = None):
     """Returns ``(output_token_ids [B, N] int32, accepted_nodes [B, N] int32,
-    num_accepted [B] int32)``; arguments parsed by the public layer (``num_nodes`` int32
+    num_accepted [B] int32, logprobs)`` (float32 ``[B, N]`` with ``return_logprobs``, else
+    None); arguments parsed by the public layer (``num_nodes`` int32
     ``[B]``, seeds/offsets int64 ``[B]``, ``token_bitmask`` int32 ``[B, N, W]``). Two launches (three when split rows are filtered:
     the statistics' finish kernel), no host synchronisation."""
     target_logits = last_dim_contiguous(target_logits)
@@ -318,13 +337,19 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
     out = torch.empty((batch, nodes), dtype=torch.int32, device=device)
     path = torch.empty((batch, nodes), dtype=torch.int32, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
+    logprobs = None if return_logprobs is None else \
+        torch.empty((batch, nodes), dtype=torch.float32, device=device)
     if batch == 0:
-        return out, path, num_accepted
+        return out, path, num_accepted, logprobs
     ids = tree_token_ids if tree_token_ids.stride(-1) == 1 else tree_token_ids.contiguous()
     par = parents if parents.stride(-1) == 1 else parents.contiguous()
     bitmask = None if token_bitmask is None else token_bitmask.reshape(batch * nodes, -1).contiguous()
-    stats = row_stats(target_logits, params, merge_in_consumer=True, bitmask=bitmask)
+    kind = LOGPROBS_KINDS[return_logprobs]
+    stats = row_stats(target_logits, params, merge_in_consumer=True, bitmask=bitmask,
+                      raw=kind == int(LOGPROBS_RAW))
     features = {} if bitmask is None else {"HAS_BITMASK": True}  # compiled in only when used
+    if kind != int(LOGPROBS_NONE):
+        features["LOGPROBS"] = kind
     if draft_probs is None:
         mode, q, q_strides = MODE_DETERMINISTIC, scratch(device, torch.float32), (0, 0)
     else:
@@ -338,10 +363,12 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
         out, path, num_accepted, vocab, nodes,
         bitmask if bitmask is not None else scratch(device, torch.int32),
         bitmask.shape[-1] if bitmask is not None else 0,
+        stats.raw if kind == int(LOGPROBS_RAW) else scratch(device, torch.float32),
+        logprobs if logprobs is not None else scratch(device, torch.float32),
         MODE=int(mode), N_P2=next_pow2(nodes), GROUP=_rng.RACE_GROUP,
         BLOCK=min(block_size(vocab, device, cap_gpu=WALK_BLOCK), _rng.RACE_GROUP),
         **stats.constexprs(), **features, **launch_options(device, WALK_WARPS))
-    return out, path, num_accepted
+    return out, path, num_accepted, logprobs
 
 
 # Every kernel of this module at representative constexprs, for the compile-only resource
@@ -354,7 +381,8 @@ _WALK_SIGNATURE = {
     "ids_ptr": "*i64", "stride_ib": "i64", "parents_ptr": "*i64", "stride_pb": "i64",
     "num_nodes_ptr": "*i32", "temperature_ptr": "*fp32", "seed_ptr": "*i64",
     "offset_ptr": "*i64", "out_ptr": "*i32", "path_ptr": "*i32", "num_accepted_ptr": "*i32",
-    "V": "i32", "N": "i32", "bitmask_ptr": "*i32", "bitmask_words": "i32",
+    "V": "i32", "N": "i32", "bitmask_ptr": "*i32", "bitmask_words": "i32", "raw_ptr": "*fp32",
+    "logprobs_ptr": "*fp32",
 }
 # Vocabulary block and warps of the walk's row passes (one program per request, so a large
 # block: 4 logits per thread per iteration). With the race's register bound (maxnreg 128) it
@@ -365,15 +393,15 @@ WALK_WARPS = 8
 
 COMPILE_SPECS = [
     {"name": f"tree_walk_{mode_name}_n{n_p2}" + (f"_stats{stats_chunks}" if stats_chunks > 1 else "")
-             + ("_bitmask" if bitmask else ""),
+             + ("_bitmask_raw_logprobs" if features else ""),
      "fn": _tree_walk_kernel,
      "signature": _WALK_SIGNATURE,
      "constexprs": {"MODE": int(mode), "N_P2": n_p2, "GROUP": _rng.RACE_GROUP, "BLOCK": WALK_BLOCK,
                     "STATS_CHUNKS": stats_chunks, "STATS_CHUNKS_P2": stats_chunks,
-                    "HAS_BITMASK": bitmask},
+                    "HAS_BITMASK": features, "LOGPROBS": int(LOGPROBS_RAW) if features else 0},
      "num_warps": WALK_WARPS,
      "maxnreg": MAX_REGISTERS}
     for mode_name, mode in (("deterministic", MODE_DETERMINISTIC), ("iid", MODE_IID),
                             ("without_replacement", MODE_WITHOUT_REPLACEMENT))
-    for n_p2, stats_chunks, bitmask in ((8, 4, False), (64, 1, False), (64, 1, True))
+    for n_p2, stats_chunks, features in ((8, 4, False), (64, 1, False), (64, 1, True))
 ]
