@@ -578,13 +578,15 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
 # ----------------------------------------------------------------------------- compile registry
 
 def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True,
-               stage: int | None = None, stats_chunks: int = 1, q_stats_chunks: int = 1) -> dict:
+               stage: int | None = None, stats_chunks: int = 1, q_stats_chunks: int = 1,
+               features: bool = False) -> dict:
     q_mode = int(q_mode)
     mode = ["p", "one_hot", "draft_probs", "draft_logits"][q_mode]
     stage = int(stage if stage is not None else STAGE_BOTH if chunks == 1 else STAGE_GROUPS)
     stage_name = ["", ",groups", ",tokens"][stage]
     stats_name = (f",stats_chunks={stats_chunks}" if stats_chunks > 1 else "") + \
-        (f",q_stats_chunks={q_stats_chunks}" if q_stats_chunks > 1 else "")
+        (f",q_stats_chunks={q_stats_chunks}" if q_stats_chunks > 1 else "") + \
+        (",bitmask+raw_logprobs" if features else "")
     return dict(
         name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}"
              f"{stats_name}]",
@@ -604,7 +606,8 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                         CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,
                         STATS_CHUNKS_P2=next_pow2(stats_chunks), Q_STATS_CHUNKS=q_stats_chunks,
                         Q_STATS_CHUNKS_P2=next_pow2(q_stats_chunks), GROUP=_rng.RACE_GROUP,
-                        MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1),
+                        MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1,
+                        HAS_BITMASK=features, LOGPROBS=int(LOGPROBS_RAW) if features else 0),
         num_warps=4, maxnreg=MAX_REGISTERS)
 
 
@@ -620,4 +623,8 @@ COMPILE_SPECS = [
     _race_spec("bf16", "fp32", Q_PROBS, 8, stage=STAGE_TOKENS, stats_chunks=4),
     _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
                q_stats_chunks=4),
+    _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False, features=True),
+    _race_spec("bf16", "fp32", Q_PROBS, 1, features=True),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, features=True),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, features=True),
 ]

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import filters
-from ._launch import block_size, cdiv, interpreted, next_pow2, num_sms, scratch
+from ._launch import MAX_REGISTERS, block_size, cdiv, interpreted, next_pow2, num_sms, scratch
 from ._tiles import LOG2E, LOGPROBS_RAW, allowed_logits, exp2_scale, load_logits
 from .filters import filter_threshold
 
@@ -423,6 +423,10 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     if bitmask is not None:
         constexprs["HAS_BITMASK"] = True
     options = dict(num_warps=1 if interpreted(device) else 8)
+    if (use_min_p or bitmask is not None or raw) and not interpreted(device):
+        # With every filter and feature compiled in, ptxas settles at 80 registers on sm_80
+        # and spills 40 B; bounded (as the race is) it takes 121 and spills nothing.
+        options["maxnreg"] = MAX_REGISTERS
     block_s, unroll_s, num_pivots = filters.search_config(vocab, device, options["num_warps"])
     _row_stats_kernel[(rows, num_chunks)](
         *args, chunk, BLOCK=block, R=STATS_R, BLOCK_S=block_s, UNROLL_S=unroll_s,
@@ -432,8 +436,8 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
         return RowStats(stats, argmax, 1, raw_rows)
     if not finish:
         return RowStats(part_f, part_i, num_chunks)
-    if (cap > 0 or use_min_p) and not interpreted(device):  # the finish searches
-        options = dict(num_warps=FINISH_SEARCH_WARPS)
+    if not interpreted(device):  # (no register bound: the finish kernel does not spill)
+        options = dict(num_warps=FINISH_SEARCH_WARPS if cap > 0 or use_min_p else 8)
     block_s, unroll_s, num_pivots = filters.search_config(vocab, device, options["num_warps"])
     _row_stats_finish_kernel[(rows,)](
         *args, CHUNKS_P2=next_pow2(num_chunks), BLOCK_S=block_s, UNROLL_S=unroll_s,
@@ -450,29 +454,38 @@ _STATS_SIGNATURE = dict(
     min_p_ptr="*fp32", bitmask_ptr="*i32", bitmask_words="i32", raw_ptr="*fp32")
 
 
-def _stats_spec(dtype: str, key_shift: int, filtered: bool, chunks: int = 1) -> dict:
+def _features(on: bool) -> dict:
+    """Contract section 8-9's constexprs of a spec: all on, or all off (their defaults)."""
+    return dict(USE_MIN_P=on, HAS_BITMASK=on, RAW=on)
+
+
+def _stats_spec(dtype: str, key_shift: int, filtered: bool, chunks: int = 1,
+                features: bool = False) -> dict:
     return dict(
         name=f"row_stats[{dtype}{',top_k+top_p' if filtered else ''}"
-             f"{',chunks=%d' % chunks if chunks > 1 else ''}]",
+             f"{',chunks=%d' % chunks if chunks > 1 else ''}"
+             f"{',min_p+bitmask+raw' if features else ''}]",
         kernel=_row_stats_kernel,
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE, chunk_size="i32"),
         constexprs=dict(USE_TOP_K=filtered, USE_TOP_P=filtered, KEY_SHIFT=key_shift,
                         NUM_CHUNKS=chunks, BLOCK=STATS_BLOCK, R=STATS_R, BLOCK_S=128,
                         UNROLL_S=filters.PIVOT_UNROLL, NUM_PIVOTS=filters.NUM_PIVOTS,
-                        CAP=filters.candidate_capacity(filtered)),
-        num_warps=8)
+                        CAP=filters.candidate_capacity(filtered), **_features(features)),
+        num_warps=8, **({"maxnreg": MAX_REGISTERS} if features else {}))
 
 
-def _stats_finish_spec(dtype: str, key_shift: int, filtered: bool, chunks: int) -> dict:
-    warps = FINISH_SEARCH_WARPS if filtered else 8
+def _stats_finish_spec(dtype: str, key_shift: int, filtered: bool, chunks: int,
+                       features: bool = False) -> dict:
+    warps = FINISH_SEARCH_WARPS if filtered or features else 8
     return dict(
-        name=f"row_stats_finish[{dtype}{',top_k+top_p' if filtered else ''},chunks={chunks}]",
+        name=f"row_stats_finish[{dtype}{',top_k+top_p' if filtered else ''},chunks={chunks}"
+             f"{',min_p+bitmask+raw' if features else ''}]",
         kernel=_row_stats_finish_kernel,
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE),
         constexprs=dict(USE_TOP_K=filtered, USE_TOP_P=filtered, KEY_SHIFT=key_shift,
                         NUM_CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks), BLOCK_S=16 * warps,
                         UNROLL_S=filters.PIVOT_UNROLL, NUM_PIVOTS=filters.NUM_PIVOTS,
-                        CAP=filters.candidate_capacity(filtered)),
+                        CAP=filters.candidate_capacity(filtered), **_features(features)),
         num_warps=warps)
 
 
@@ -484,4 +497,8 @@ COMPILE_SPECS = [
     _stats_spec("bf16", 16, False, chunks=4), _stats_spec("bf16", 16, True, chunks=4),
     _stats_finish_spec("bf16", 16, False, 4), _stats_finish_spec("bf16", 16, True, 16),
     _stats_finish_spec("fp32", 0, True, 2), _stats_finish_spec("fp16", 13, True, 8),
+    _stats_spec("bf16", 16, True, features=True), _stats_spec("fp32", 0, False, features=True),
+    _stats_spec("bf16", 16, True, chunks=4, features=True),
+    _stats_finish_spec("bf16", 16, True, 16, features=True),
+    _stats_finish_spec("bf16", 16, False, 4, features=True),
 ]
