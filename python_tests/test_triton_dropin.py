@@ -1,5 +1,5 @@
-"""Triton == reference for the arguments of contract sections 8-9 (min_p, token_bitmask,
-return_logprobs), token for token, in the interpreter (small shapes) or on a GPU. Logprobs
+"""Triton == reference for the arguments of contract sections 8-10 (min_p, token_bitmask,
+return_logprobs, verify_chain_packed read in place), token for token, in the interpreter (small shapes) or on a GPU. Logprobs
 agree within float32 rounding (the kernels take log p from the row statistics, the
 reference from the materialised probabilities)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 import specdec_kernels as sk
 from conftest import mixed_params, spy_launches
-from test_dropin import bitmask_of
+from test_dropin import bitmask_of, packed_problem
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -110,6 +110,49 @@ def test_tree_features_match_reference(mode, use_mask, kind):
                       parents=parents, token_bitmask=bitmask_of(allowed) if use_mask else None,
                       return_logprobs=kind, seed=torch.arange(batch) + 4, **draft, **params)
     _assert_same(got, want)
+
+
+@pytest.mark.parametrize("mode", ["one_hot", "draft_logits"])
+def test_packed_matches_padded_and_reference(mode):
+    lengths = [3, 0, 2, 3, 1, 0]
+    packed, padded = packed_problem(lengths, dtype=torch.bfloat16, seed=4)
+    for d in (packed, padded):
+        logits = d.pop("draft_logits")
+        if mode == "draft_logits":
+            d["draft_logits"] = logits
+    gen = torch.Generator().manual_seed(5)
+    params = _feature_params(len(lengths), 37, gen)
+    kw = dict(seed=torch.arange(len(lengths)) * 3, offset=1, return_logprobs="processed",
+              **params)
+    got, want = _both(sk.verify_chain_packed, max_draft_tokens=3, **packed, **kw)
+    _assert_same(got, want)
+    padded_triton = sk.verify_chain(**{k: _to(v) for k, v in {**padded, **kw}.items()},
+                                    backend="triton")
+    _assert_same(got, type(padded_triton)(*(None if t is None else t.cpu()
+                                            for t in padded_triton)))
+
+
+def test_packed_reads_rows_in_place(monkeypatch):
+    """No padded copy: the statistics and the race get the packed tensors themselves."""
+    from specdec_kernels.triton import race, stats
+    packed, _ = packed_problem([2, 0, 3], vocab=37)
+    target = _to(packed["target_logits"])
+    draft_logits = _to(packed["draft_logits"])
+    seen = []
+    for module, name in ((stats, "_row_stats_kernel"), (race, "_race_kernel")):
+        kernel = getattr(module, name)
+
+        class Spy:
+            def __getitem__(self, grid, kernel=kernel):
+                def launch(*args, **kwargs):
+                    seen.append(args[0].data_ptr())
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        monkeypatch.setattr(module, name, Spy())
+    sk.verify_chain_packed(target, _to(packed["draft_token_ids"]),
+                           _to(packed["cu_num_draft_tokens"]), max_draft_tokens=3, seed=1,
+                           draft_logits=draft_logits, backend="triton")
+    assert seen == [target.data_ptr(), draft_logits.data_ptr(), target.data_ptr()]
 
 
 def test_split_rows_and_split_race_with_features(monkeypatch):

@@ -194,8 +194,14 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
                                      device=device, validate=validate, min_p=min_p)
     if validate:
         _check_packed_values(draft_token_ids, cu_num_draft_tokens, max_draft_tokens, vocab)
-    layout = packed_layout(cu_num_draft_tokens, num_packed, max_draft_tokens)
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    if use_triton:  # the kernels read the packed rows in place
+        from .triton import chain as _triton
+        return ChainVerifyOutput(*_triton.verify_chain(
+            target_logits, draft_token_ids, draft_probs, draft_logits, None, params, seeds,
+            offsets, token_bitmask=token_bitmask, return_logprobs=return_logprobs,
+            packed=(cu_num_draft_tokens, max_draft_tokens)))
+    layout = packed_layout(cu_num_draft_tokens, num_packed, max_draft_tokens)
     return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                       layout.num_draft_tokens, params, seeds, offsets, token_bitmask,
                       return_logprobs, layout=layout)

@@ -21,7 +21,7 @@ from ._launch import (MAX_REGISTERS, block_size, cdiv, interpreted, launch_optio
                       num_sms, scratch)
 from ._tiles import (LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, block_best, exp2_scale,
                      load_logits, processed_prob, quad_offsets, tile_best, token_logprob)
-from .stats import RowStats, load_raw_stats, load_row_stats
+from .stats import PackedRows, RowStats, load_raw_stats, load_row_stats, packed_request
 
 # Q modes of the race kernel: what the residual max(p - q, 0) subtracts. Q_NONE: no draft
 # (``sample``, or a chain with K = 0); the residual variant is then not compiled in.
@@ -280,14 +280,13 @@ def _store_logprob_row(logprobs_ptr, stride_lp, req, draft_logprobs, num_accepte
 
 
 @triton.jit
-def _sampled_row(req, num_accepted_ptr, num_draft_tokens_ptr, draft_ids_ptr, stride_ids, V, K,
+def _sampled_row(req, num_accepted_ptr, num_draft_tokens, draft_ids_ptr, stride_ids, V,
                  IS_CHAIN: tl.constexpr):
     """(row within the request, whether a draft was rejected there) as the race kernel left
     them: a chain samples row ``num_accepted``, from the residual after a rejection of a live,
     in-range draft; ``sample`` samples row 0."""
     if IS_CHAIN:
         num_accepted = tl.load(num_accepted_ptr + req)
-        num_draft_tokens = _num_draft_tokens(num_draft_tokens_ptr, req, K)
         # A rejection of a live, in-range draft leaves a residual; an out-of-range id
         # (validate=False) was never drawn from q, so its request samples p.
         live = num_accepted < num_draft_tokens
@@ -308,13 +307,13 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  draft_ids_ptr, stride_ids, num_draft_tokens_ptr, num_accepted_ptr,
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
                  part_score_ptr, part_index_ptr, V, K, chunk_size, bitmask_ptr, bitmask_words,
-                 raw_ptr, logprobs_ptr, stride_lp, PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
+                 raw_ptr, logprobs_ptr, stride_lp, cu_ptr, num_packed, PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
                  STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                  Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
                  GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                  K_P2: tl.constexpr, HAS_BITMASK: tl.constexpr = False,
-                 LOGPROBS: tl.constexpr = 0):
+                 LOGPROBS: tl.constexpr = 0, PACKED: tl.constexpr = False):
     """One correction/bonus (chain) or sample token per request, by the two-level race over
     row ``num_accepted`` (chain) or 0 of the request.
 
@@ -337,7 +336,9 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     masked by its row's ``token_bitmask`` word (4 B per 32 logits read; rows ``[B*(K+1), W]``).
     LOGPROBS (processed, raw): also writes ``logprobs`` like the tokens, from the statistics
     already loaded and one gathered logit per emitted token (raw: 8 B of T = 1 statistics
-    per row).
+    per row). PACKED (``verify_chain_packed``): the request's rows are read in place, found
+    through ``cu_num_draft_tokens`` (``packed_request``; the launcher passes zero request
+    strides and the kernel moves the base pointers to the request's first rows).
     """
     req = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -347,14 +348,25 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
     draft_logprobs = tl.zeros([K_P2], tl.float32)
+    num_draft_tokens = tl.full([], 0, tl.int32)
+    if IS_CHAIN:
+        if PACKED:
+            first, num_draft_tokens = packed_request(cu_ptr, req, num_packed, K)
+            logits_ptr += (first + req) * stride_row
+            q_ptr += first * stride_q_row
+            draft_ids_ptr += first
+            # Statistics row req * (K + 1) + j is packed row first + req + j.
+            bitmask_ptr += (first + req - req.to(tl.int64) * (K + 1)) * bitmask_words
+        else:
+            num_draft_tokens = _num_draft_tokens(num_draft_tokens_ptr, req, K)
     if STAGE == STAGE_TOKENS:
-        num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_tokens_ptr,
-                                              draft_ids_ptr, stride_ids, V, K, IS_CHAIN)
+        num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_tokens,
+                                              draft_ids_ptr, stride_ids, V, IS_CHAIN)
     elif IS_CHAIN:
         num_accepted, rejected, draft_logprobs = _accept_drafts(
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
             stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr, stride_ids,
-            _num_draft_tokens(num_draft_tokens_ptr, req, K), greedy, scale, seed, offset, V, K,
+            num_draft_tokens, greedy, scale, seed, offset, V, K,
             bitmask_ptr, bitmask_words, raw_ptr, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2,
             Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2, HAS_BITMASK, LOGPROBS, K_P2)
         if STAGE == STAGE_GROUPS:
@@ -523,7 +535,7 @@ class DraftInputs(NamedTuple):
 def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
          offsets: torch.Tensor, out: torch.Tensor, drafts: DraftInputs | None = None,
          bitmask: torch.Tensor | None = None, logprobs: torch.Tensor | None = None,
-         logprobs_kind: int = 0) -> None:
+         logprobs_kind: int = 0, packed: PackedRows | None = None) -> None:
     """Launch the race over ``logits`` ``[B, K + 1, V]`` (last dim contiguous) with their
     ``row_stats``: one launch when V is one chunk, else the first level over chunks and the
     second per request. Writes ``out[b, num_accepted[b]]`` of ``out`` ``[B, K + 1]`` (and, with
@@ -531,8 +543,15 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
     (``sample``: K = 0) one token per request into ``out[b, 0]``. ``bitmask``: int32
     ``[B * (K + 1), W]`` ``token_bitmask`` rows of the target logits (contiguous); None
     compiles it out. ``logprobs``: float32 like ``out``, written at the same places with
-    ``logprobs_kind`` (``LOGPROBS_KINDS``; raw reads ``stats.raw``)."""
-    batch, rows_per_req, vocab = logits.shape
+    ``logprobs_kind`` (``LOGPROBS_KINDS``; raw reads ``stats.raw``). ``packed``: ``logits``
+    are the packed rows ``[T + B, V]`` (``drafts.q`` ``[T, V]``, ids ``[T]``, bitmask
+    ``[T + B, W]``), read in place."""
+    if packed is None:
+        batch, rows_per_req, vocab = logits.shape
+        strides = logits.stride(0), logits.stride(1)
+    else:
+        batch, rows_per_req = packed.cu_num_draft_tokens.shape[0] - 1, packed.rows_per_req
+        vocab, strides = logits.shape[-1], (0, logits.stride(0))
     device = logits.device
     if batch == 0:
         return
@@ -547,18 +566,22 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
     if not is_chain:
         drafts = DraftInputs(dummy_i, dummy_i, dummy_i, Q_NONE)
     q = drafts.q if drafts.q is not None else dummy_f
-    q_strides = (q.stride(0), q.stride(1)) if drafts.q is not None else (0, 0)
+    q_strides = (0, 0) if drafts.q is None else \
+        (q.stride(0), q.stride(1)) if packed is None else (0, q.stride(0))
     q_stats = drafts.q_stats or RowStats(dummy_f, dummy_i, 1)
-    args = (logits, logits.stride(0), logits.stride(1), rows_per_req, stats.stats, stats.argmax,
+    args = (logits, *strides, rows_per_req, stats.stats, stats.argmax,
             q, q_strides[0], q_strides[1], q_stats.stats, q_stats.argmax,
-            drafts.token_ids, drafts.token_ids.stride(0), drafts.num_draft_tokens,
+            drafts.token_ids, drafts.token_ids.stride(0) if packed is None else 0,
+            drafts.num_draft_tokens,
             drafts.num_accepted, params.temperature, seeds, offsets, out, out.stride(0),
             part_score, part_index, vocab, num_drafts, chunk,
             bitmask if bitmask is not None else dummy_i,
             bitmask.shape[-1] if bitmask is not None else 0,
             stats.raw if logprobs_kind == int(LOGPROBS_RAW) else dummy_f,
             logprobs if logprobs is not None else dummy_f,
-            logprobs.stride(0) if logprobs is not None else 0)
+            logprobs.stride(0) if logprobs is not None else 0,
+            packed.cu_num_draft_tokens if packed is not None else dummy_i,
+            packed.num_packed if packed is not None else 0)
     constexprs = dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                       IS_CHAIN=is_chain, Q_MODE=int(drafts.q_mode), NUM_CHUNKS=num_chunks,
                       CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
@@ -568,6 +591,8 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
         constexprs["HAS_BITMASK"] = True
     if logprobs_kind != int(LOGPROBS_NONE):
         constexprs["LOGPROBS"] = logprobs_kind
+    if packed is not None:
+        constexprs["PACKED"] = True
     if num_chunks == 1:
         _race_kernel[(batch, 1)](*args, STAGE=int(STAGE_BOTH), **constexprs)
     else:
@@ -586,7 +611,7 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
     stage_name = ["", ",groups", ",tokens"][stage]
     stats_name = (f",stats_chunks={stats_chunks}" if stats_chunks > 1 else "") + \
         (f",q_stats_chunks={q_stats_chunks}" if q_stats_chunks > 1 else "") + \
-        (",bitmask+raw_logprobs" if features else "")
+        ((",bitmask+raw_logprobs" + (",packed" if is_chain else "")) if features else "")
     return dict(
         name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}"
              f"{stats_name}]",
@@ -600,14 +625,16 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                        seed_ptr="*i64", offset_ptr="*i64", out_ptr="*i32", stride_out="i32",
                        part_score_ptr="*fp32", part_index_ptr="*i32", V="i32", K="i32",
                        chunk_size="i32", bitmask_ptr="*i32", bitmask_words="i32",
-                       raw_ptr="*fp32", logprobs_ptr="*fp32", stride_lp="i32"),
+                       raw_ptr="*fp32", logprobs_ptr="*fp32", stride_lp="i32", cu_ptr="*i64",
+                       num_packed="i32"),
         constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                         IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
                         CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,
                         STATS_CHUNKS_P2=next_pow2(stats_chunks), Q_STATS_CHUNKS=q_stats_chunks,
                         Q_STATS_CHUNKS_P2=next_pow2(q_stats_chunks), GROUP=_rng.RACE_GROUP,
                         MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1,
-                        HAS_BITMASK=features, LOGPROBS=int(LOGPROBS_RAW) if features else 0),
+                        HAS_BITMASK=features, LOGPROBS=int(LOGPROBS_RAW) if features else 0,
+                        PACKED=features and is_chain),
         num_warps=4, maxnreg=MAX_REGISTERS)
 
 

@@ -158,29 +158,61 @@ def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greed
 
 
 @triton.jit
+def packed_request(cu_ptr, req, num_packed, K):
+    """``(first draft, number of drafts)`` of request ``req`` in the packed layout
+    (``verify_chain_packed``: ``cu[req]`` and ``cu[req+1] - cu[req]``), read from
+    ``cu_num_draft_tokens`` itself. Clamped so that unvalidated offsets never address a row
+    out of range: the first draft to ``0..T``, the count to ``0..min(K, T - first)``. Its
+    first target row is ``first + req``."""
+    lo = tl.load(cu_ptr + req).to(tl.int64)
+    hi = tl.load(cu_ptr + req + 1).to(tl.int64)
+    first = tl.minimum(tl.maximum(lo, 0), num_packed)
+    count = tl.minimum(tl.minimum(tl.maximum(hi - lo, 0), K), num_packed - first)
+    return first, count.to(tl.int32)
+
+
+@triton.jit
 def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr,
-               bitmask_ptr, bitmask_words):
+               bitmask_ptr, bitmask_words, cu_ptr, num_packed, live_extra,
+               PACKED: tl.constexpr):
     """Row ``r`` of the statistics: its request, the row's pointer, whether the request is
-    greedy, its ``exp2_scale``, its temperature and its ``token_bitmask`` row (row ``r`` of
-    ``[rows, bitmask_words]``; only read with HAS_BITMASK)."""
+    greedy, its ``exp2_scale``, its temperature, its ``token_bitmask`` row (only read with
+    HAS_BITMASK) and whether it is live.
+
+    PACKED (``verify_chain_packed``): statistics row ``r = req * rows_per_req + j`` is row
+    ``first + req * live_extra + j`` of the packed rows (``packed_request``), live while
+    ``j < n + live_extra`` (``live_extra`` 1 for target rows: the drafts, then the bonus row;
+    0 for draft rows); the bitmask rows are the packed rows. Dead rows (the padding of shorter
+    requests) stream nothing. Otherwise row ``r`` of ``[B, R, V]`` and of the bitmask
+    ``[B * R, W]``, always live."""
     req = r // rows_per_req
-    row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
-               + (r % rows_per_req).to(tl.int64) * stride_row)
+    j = r % rows_per_req
+    if PACKED:
+        first, count = packed_request(cu_ptr, req, num_packed, rows_per_req - live_extra)
+        row = first + req * live_extra + j
+        row_ptr = logits_ptr + row * stride_row
+        live = j < count + live_extra
+    else:
+        row = r.to(tl.int64)
+        row_ptr = logits_ptr + req.to(tl.int64) * stride_req + j.to(tl.int64) * stride_row
+        live = j >= 0
     temperature = tl.load(temperature_ptr + req)
     return (req, row_ptr, temperature == 0.0, exp2_scale(temperature), temperature,
-            bitmask_ptr + r.to(tl.int64) * bitmask_words)
+            bitmask_ptr + row * bitmask_words, live)
 
 
 @triton.jit
 def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                       temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                       part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V, min_p_ptr,
-                      bitmask_ptr, bitmask_words, raw_ptr, chunk_size,
+                      bitmask_ptr, bitmask_words, raw_ptr, cu_ptr, num_packed, live_extra,
+                      chunk_size,
                       USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
                       NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
                       BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
                       CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
-                      HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False):
+                      HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False,
+                      PACKED: tl.constexpr = False):
     """Per-row statistics of the processed distribution; grid (rows, NUM_CHUNKS), program
     (r, c) streams tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of row r.
 
@@ -199,11 +231,11 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
     """
     r = tl.program_id(0)
     chunk = tl.program_id(1)
-    req, row_ptr, greedy, scale, temperature, bm_row_ptr = _stats_row(
+    req, row_ptr, greedy, scale, temperature, bm_row_ptr, live = _stats_row(
         r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr, bitmask_ptr,
-        bitmask_words)
+        bitmask_words, cu_ptr, num_packed, live_extra, PACKED)
     start_v = chunk * chunk_size
-    end_v = tl.minimum(start_v + chunk_size, V)
+    end_v = tl.where(live, tl.minimum(start_v + chunk_size, V), start_v)
     x_max, total, best, x_min, num_finite, raw_max, raw_sum = _stream_stats(
         row_ptr, start_v, end_v, scale, bm_row_ptr, USE_TOP_K or USE_TOP_P or USE_MIN_P, BLOCK,
         R, HAS_BITMASK, RAW)
@@ -232,20 +264,22 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
 def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                              temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                              part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V,
-                             min_p_ptr, bitmask_ptr, bitmask_words, raw_ptr,
+                             min_p_ptr, bitmask_ptr, bitmask_words, raw_ptr, cu_ptr,
+                             num_packed, live_extra,
                              USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
                              KEY_SHIFT: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                              CHUNKS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
                              UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
                              CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
-                             HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False):
+                             HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False,
+                             PACKED: tl.constexpr = False):
     """Merges the NUM_CHUNKS partial statistics of one row (grid rows), then finishes it as
     ``_row_stats_kernel`` does. Bytes: reads 20 B per chunk (plus the pivot passes of rows
     whose filters are active), writes 16 B."""
     r = tl.program_id(0)
-    req, row_ptr, greedy, scale, temperature, bm_row_ptr = _stats_row(
+    req, row_ptr, greedy, scale, temperature, bm_row_ptr, live = _stats_row(
         r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr, bitmask_ptr,
-        bitmask_words)
+        bitmask_words, cu_ptr, num_packed, live_extra, PACKED)
     chunks = tl.arange(0, CHUNKS_P2)
     valid = chunks < NUM_CHUNKS
     part = r * NUM_CHUNKS + chunks
@@ -350,6 +384,16 @@ def stats_chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int,
     return chunk, cdiv(vocab, chunk), block
 
 
+class PackedRows(NamedTuple):
+    """Statistics rows read in place from the packed layout (``verify_chain_packed``, see
+    ``_stats_row``): ``B * rows_per_req`` rows of ``[rows, V]`` found through
+    ``cu_num_draft_tokens``."""
+    cu_num_draft_tokens: torch.Tensor  # [B+1] int32/int64, on the device
+    num_packed: int                    # T
+    rows_per_req: int                  # K + 1 (target rows) or K (draft rows)
+    live_extra: int                    # 1: target rows (drafts and bonus); 0: draft rows
+
+
 class RowStats(NamedTuple):
     """What ``row_stats`` leaves for the kernels that consume it (``load_row_stats``)."""
     stats: torch.Tensor   # float32 [rows, 3] (x_max, x_thr, norm); partials: [rows, chunks, 3]
@@ -364,7 +408,8 @@ class RowStats(NamedTuple):
 
 
 def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
-              bitmask: torch.Tensor | None = None, raw: bool = False) -> RowStats:
+              bitmask: torch.Tensor | None = None, raw: bool = False,
+              packed: PackedRows | None = None) -> RowStats:
     """Launch ``_row_stats_kernel`` (and ``_row_stats_finish_kernel`` when rows are split)
     over the ``B * R`` rows of ``logits`` ``[B, R, V]`` (last dim contiguous, any strides
     otherwise), statistics row ``b * R + r``, request ``b``.
@@ -375,8 +420,15 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     are always finished here (their threshold search runs in the finish kernel).
     ``bitmask``: int32 ``[B * R, W]`` ``token_bitmask`` rows (contiguous), read in the same
     passes; None compiles it out. ``raw``: also the T = 1 statistics of the unmasked rows
-    (``RowStats.raw``, for raw logprobs; rows split are then finished here too)."""
-    batch, rows_per_req, vocab = logits.shape
+    (``RowStats.raw``, for raw logprobs; rows split are then finished here too).
+    ``packed``: ``logits`` are the packed rows ``[T + B, V]`` (or ``[T, V]`` of draft logits),
+    found through ``cu_num_draft_tokens``; the bitmask rows are the packed rows."""
+    if packed is None:
+        batch, rows_per_req, vocab = logits.shape
+        strides = logits.stride(0), logits.stride(1)
+    else:
+        batch, rows_per_req = packed.cu_num_draft_tokens.shape[0] - 1, packed.rows_per_req
+        vocab, strides = logits.shape[-1], (0, logits.stride(0))
     rows = batch * rows_per_req
     device = logits.device
     if rows == 0:
@@ -406,7 +458,7 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
         cand_key, cand_e = scratch(device, torch.int32), scratch(device, torch.float32)
     constexprs = dict(USE_TOP_K=use_top_k, USE_TOP_P=use_top_p,
                       KEY_SHIFT=filters.KEY_SHIFTS[logits.dtype], NUM_CHUNKS=num_chunks, CAP=cap)
-    args = (logits, logits.stride(0), logits.stride(1), rows_per_req, params.temperature,
+    args = (logits, *strides, rows_per_req, params.temperature,
             params.top_k, params.top_p, stats, argmax, part_f, part_i, cand_key, cand_e, vocab,
             params.min_p if use_min_p else scratch(device, torch.float32),
             bitmask if bitmask is not None else scratch(device, torch.int32),
@@ -416,14 +468,19 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
         raw_stats = torch.empty(rows * 2 * (1 + (num_chunks if num_chunks > 1 else 0)),
                                 dtype=torch.float32, device=device)
         constexprs["RAW"] = True
-    args += (raw_stats if raw_stats is not None else scratch(device, torch.float32),)
+    args += (raw_stats if raw_stats is not None else scratch(device, torch.float32),
+             packed.cu_num_draft_tokens if packed is not None else scratch(device, torch.int32),
+             packed.num_packed if packed is not None else 0,
+             packed.live_extra if packed is not None else 0)
+    if packed is not None:
+        constexprs["PACKED"] = True
     # Contract section 8's features, compiled in only when used (a plain call pays nothing).
     if use_min_p:
         constexprs["USE_MIN_P"] = True
     if bitmask is not None:
         constexprs["HAS_BITMASK"] = True
     options = dict(num_warps=1 if interpreted(device) else 8)
-    if (use_min_p or bitmask is not None or raw) and not interpreted(device):
+    if (use_min_p or bitmask is not None or raw or packed is not None) and not interpreted(device):
         # With every filter and feature compiled in, ptxas settles at 80 registers on sm_80
         # and spills 40 B; bounded (as the race is) it takes 121 and spills nothing.
         options["maxnreg"] = MAX_REGISTERS
@@ -451,12 +508,13 @@ _STATS_SIGNATURE = dict(
     stride_req="i32", stride_row="i32", rows_per_req="i32", temperature_ptr="*fp32",
     top_k_ptr="*i32", top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32",
     part_f_ptr="*fp32", part_i_ptr="*i32", cand_key_ptr="*i32", cand_e_ptr="*fp32", V="i32",
-    min_p_ptr="*fp32", bitmask_ptr="*i32", bitmask_words="i32", raw_ptr="*fp32")
+    min_p_ptr="*fp32", bitmask_ptr="*i32", bitmask_words="i32", raw_ptr="*fp32", cu_ptr="*i64",
+    num_packed="i32", live_extra="i32")
 
 
 def _features(on: bool) -> dict:
     """Contract section 8-9's constexprs of a spec: all on, or all off (their defaults)."""
-    return dict(USE_MIN_P=on, HAS_BITMASK=on, RAW=on)
+    return dict(USE_MIN_P=on, HAS_BITMASK=on, RAW=on, PACKED=on)
 
 
 def _stats_spec(dtype: str, key_shift: int, filtered: bool, chunks: int = 1,
