@@ -40,6 +40,24 @@ def _assert_same(got, want):
             assert torch.equal(g.cpu(), w), name
 
 
+def _spy_calls(monkeypatch, record) -> list:
+    """Wraps the statistics and race kernels so that each launch appends
+    ``record(args, kwargs)`` and then runs; returns the list."""
+    from specdec_kernels.triton import race, stats
+    seen = []
+    for module, name in ((stats, "_row_stats_kernel"), (race, "_race_kernel")):
+        kernel = getattr(module, name)
+
+        class Spy:
+            def __getitem__(self, grid, kernel=kernel):
+                def launch(*args, **kwargs):
+                    seen.append(record(args, kwargs))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        monkeypatch.setattr(module, name, Spy())
+    return seen
+
+
 def _feature_params(batch, vocab, gen):
     params = mixed_params(batch, vocab, gen)
     params["min_p"] = torch.where(torch.arange(batch) % 3 == 1,
@@ -134,21 +152,10 @@ def test_packed_matches_padded_and_reference(mode):
 
 def test_packed_reads_rows_in_place(monkeypatch):
     """No padded copy: the statistics and the race get the packed tensors themselves."""
-    from specdec_kernels.triton import race, stats
     packed, _ = packed_problem([2, 0, 3], vocab=37)
     target = _to(packed["target_logits"])
     draft_logits = _to(packed["draft_logits"])
-    seen = []
-    for module, name in ((stats, "_row_stats_kernel"), (race, "_race_kernel")):
-        kernel = getattr(module, name)
-
-        class Spy:
-            def __getitem__(self, grid, kernel=kernel):
-                def launch(*args, **kwargs):
-                    seen.append(args[0].data_ptr())
-                    return kernel[grid](*args, **kwargs)
-                return launch
-        monkeypatch.setattr(module, name, Spy())
+    seen = _spy_calls(monkeypatch, lambda args, kwargs: args[0].data_ptr())
     sk.verify_chain_packed(target, _to(packed["draft_token_ids"]),
                            _to(packed["cu_num_draft_tokens"]), max_draft_tokens=3, seed=1,
                            draft_logits=draft_logits, backend="triton")
@@ -180,22 +187,11 @@ def test_split_rows_and_split_race_with_features(monkeypatch):
 def test_disabled_features_launch_the_plain_kernels(monkeypatch):
     """A call with min_p=0, no bitmask and no logprobs launches exactly what the plain call
     does, with the features' constexprs at their defaults (compiled out)."""
-    from specdec_kernels.triton import race, stats
     gen = torch.Generator().manual_seed(35)
     target = _to(torch.randn(3, 3, 50, generator=gen))
     drafts = _to(torch.randint(0, 50, (3, 2), generator=gen))
-    seen = []
-    for module, name in ((stats, "_row_stats_kernel"), (race, "_race_kernel")):
-        kernel = getattr(module, name)
-
-        class Spy:
-            def __getitem__(self, grid, kernel=kernel):
-                def launch(*args, **kwargs):
-                    seen.append(sorted(k for k in kwargs if k in (
-                        "USE_MIN_P", "HAS_BITMASK", "RAW", "LOGPROBS")))
-                    return kernel[grid](*args, **kwargs)
-                return launch
-        monkeypatch.setattr(module, name, Spy())
+    seen = _spy_calls(monkeypatch, lambda args, kwargs: sorted(
+        k for k in kwargs if k in ("USE_MIN_P", "HAS_BITMASK", "RAW", "LOGPROBS", "PACKED")))
     plain = sk.verify_chain(target, drafts, seed=1, backend="triton")
     off = sk.verify_chain(target, drafts, seed=1, backend="triton", min_p=0.0,
                           token_bitmask=None, return_logprobs=None)

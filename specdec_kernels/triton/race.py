@@ -21,7 +21,8 @@ from ._launch import (MAX_REGISTERS, block_size, cdiv, interpreted, launch_optio
                       num_sms, scratch)
 from ._tiles import (LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, block_best, exp2_scale,
                      load_logits, processed_prob, quad_offsets, tile_best, token_logprob)
-from .stats import PackedRows, RowStats, load_raw_stats, load_row_stats, packed_request
+from .stats import (PackedRows, RowStats, load_raw_stats, load_row_stats, packed_request,
+                    row_layout)
 
 # Q modes of the race kernel: what the residual max(p - q, 0) subtracts. Q_NONE: no draft
 # (``sample``, or a chain with K = 0); the residual variant is then not compiled in.
@@ -546,12 +547,7 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
     ``logprobs_kind`` (``LOGPROBS_KINDS``; raw reads ``stats.raw``). ``packed``: ``logits``
     are the packed rows ``[T + B, V]`` (``drafts.q`` ``[T, V]``, ids ``[T]``, bitmask
     ``[T + B, W]``), read in place."""
-    if packed is None:
-        batch, rows_per_req, vocab = logits.shape
-        strides = logits.stride(0), logits.stride(1)
-    else:
-        batch, rows_per_req = packed.cu_num_draft_tokens.shape[0] - 1, packed.rows_per_req
-        vocab, strides = logits.shape[-1], (0, logits.stride(0))
+    batch, rows_per_req, vocab, strides = row_layout(logits, packed)
     device = logits.device
     if batch == 0:
         return

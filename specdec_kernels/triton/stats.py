@@ -394,6 +394,17 @@ class PackedRows(NamedTuple):
     live_extra: int                    # 1: target rows (drafts and bonus); 0: draft rows
 
 
+def row_layout(logits: torch.Tensor, packed: PackedRows | None):
+    """``(B, rows per request, V, (request stride, row stride))`` of ``logits`` ``[B, R, V]``,
+    or of the packed rows ``[N, V]`` read through ``packed`` (request stride 0: the kernels
+    find each request's first row themselves)."""
+    if packed is None:
+        batch, rows_per_req, vocab = logits.shape
+        return batch, rows_per_req, vocab, (logits.stride(0), logits.stride(1))
+    return (packed.cu_num_draft_tokens.shape[0] - 1, packed.rows_per_req, logits.shape[-1],
+            (0, logits.stride(0)))
+
+
 class RowStats(NamedTuple):
     """What ``row_stats`` leaves for the kernels that consume it (``load_row_stats``)."""
     stats: torch.Tensor   # float32 [rows, 3] (x_max, x_thr, norm); partials: [rows, chunks, 3]
@@ -423,12 +434,7 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     (``RowStats.raw``, for raw logprobs; rows split are then finished here too).
     ``packed``: ``logits`` are the packed rows ``[T + B, V]`` (or ``[T, V]`` of draft logits),
     found through ``cu_num_draft_tokens``; the bitmask rows are the packed rows."""
-    if packed is None:
-        batch, rows_per_req, vocab = logits.shape
-        strides = logits.stride(0), logits.stride(1)
-    else:
-        batch, rows_per_req = packed.cu_num_draft_tokens.shape[0] - 1, packed.rows_per_req
-        vocab, strides = logits.shape[-1], (0, logits.stride(0))
+    batch, rows_per_req, vocab, strides = row_layout(logits, packed)
     rows = batch * rows_per_req
     device = logits.device
     if rows == 0:
