@@ -167,7 +167,8 @@ def residual_masses(target_logits: torch.Tensor, stats: RowStats, drafts, params
 
 
 COMPILE_SPECS = [
-    dict(name=f"residual_mass[bf16,{mode_name}]", kernel=_residual_mass_kernel,
+    dict(name=f"residual_mass[bf16,{mode_name}{',bitmask,packed' if features else ''}]",
+         kernel=_residual_mass_kernel,
          signature=dict(logits_ptr="*bf16", stride_req="i32", stride_row="i32",
                         stats_ptr="*fp32", argmax_ptr="*i32", q_ptr=f"*{q_dtype}",
                         stride_q_req="i32", stride_q_row="i32", q_stats_ptr="*fp32",
@@ -178,9 +179,11 @@ COMPILE_SPECS = [
                         num_packed="i32"),
          constexprs=dict(Q_MODE=int(q_mode), NUM_CHUNKS=4, STATS_CHUNKS=4, STATS_CHUNKS_P2=4,
                          Q_STATS_CHUNKS=4 if q_mode == Q_LOGITS else 1,
-                         Q_STATS_CHUNKS_P2=4 if q_mode == Q_LOGITS else 1, BLOCK=MASS_BLOCK),
+                         Q_STATS_CHUNKS_P2=4 if q_mode == Q_LOGITS else 1, BLOCK=MASS_BLOCK,
+                         HAS_BITMASK=features, PACKED=features),
          num_warps=4, maxnreg=128)
-    for mode_name, q_mode, q_dtype in (("one_hot", Q_ONE_HOT, "fp32"),
-                                       ("draft_probs", Q_PROBS, "fp32"),
-                                       ("draft_logits", Q_LOGITS, "bf16"))
+    for mode_name, q_mode, q_dtype, features in (("one_hot", Q_ONE_HOT, "fp32", False),
+                                                 ("draft_probs", Q_PROBS, "fp32", False),
+                                                 ("draft_logits", Q_LOGITS, "bf16", False),
+                                                 ("draft_logits", Q_LOGITS, "bf16", True))
 ]

@@ -666,6 +666,11 @@ _WALK_SIGNATURE = {
     "V": "i32", "N": "i32", "bitmask_ptr": "*i32", "bitmask_words": "i32", "raw_ptr": "*fp32",
     "logprobs_ptr": "*fp32",
 }
+# The traversal kernel takes neither the bitmask nor logprobs (yet): the walk's arguments
+# without those.
+_TRAVERSAL_SIGNATURE = {name: kind for name, kind in _WALK_SIGNATURE.items()
+                        if name not in ("bitmask_ptr", "bitmask_words", "raw_ptr",
+                                        "logprobs_ptr")}
 # Vocabulary block and warps of the walk's row passes (one program per request, so a large
 # block: 4 logits per thread per iteration). With the race's register bound (maxnreg 128) it
 # compiles without spills on sm_80/sm_90 at 80-121 registers (python_tests/test_triton_compile.py);
@@ -690,7 +695,7 @@ COMPILE_SPECS = [
 COMPILE_SPECS += [
     {"name": f"traversal_{mode_name}_n{n_p2}" + (f"_stats{stats_chunks}" if stats_chunks > 1 else ""),
      "fn": _traversal_kernel,
-     "signature": _WALK_SIGNATURE,
+     "signature": _TRAVERSAL_SIGNATURE,
      "constexprs": {"WOR": wor, "N_P2": n_p2, "GROUP": _rng.RACE_GROUP, "BLOCK": WALK_BLOCK,
                     "STATS_CHUNKS": stats_chunks, "STATS_CHUNKS_P2": stats_chunks},
      "num_warps": WALK_WARPS,
