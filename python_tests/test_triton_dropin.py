@@ -199,3 +199,43 @@ def test_disabled_features_launch_the_plain_kernels(monkeypatch):
     assert seen == [[], [], [], []]
     sk.verify_chain(target, drafts, seed=1, backend="triton", min_p=0.1, return_logprobs="raw")
     assert seen[-2:] == [["RAW", "USE_MIN_P"], ["LOGPROBS"]]
+
+
+@pytest.mark.parametrize("mode", ["one_hot", "draft_logits"])
+def test_block_with_bitmask_and_logprobs_matches_reference(mode):
+    """Block verification with the section 8-10 features: the acceptance and the residual
+    masses honour the bitmask (p of a masked draft is 0), logprobs are written, and the
+    packed rows are read in place; Triton == reference, padded and packed."""
+    lengths = [3, 3, 2, 3, 1, 0, 3, 2]
+    packed, padded = packed_problem(lengths, seed=6)
+    for d in (packed, padded):
+        logits = d.pop("draft_logits")
+        if mode == "draft_logits":
+            d["draft_logits"] = logits
+    gen = torch.Generator().manual_seed(7)
+    params = _feature_params(len(lengths), 37, gen)
+    for kind in ("processed", "raw"):
+        kw = dict(seed=torch.arange(len(lengths)) * 5 + 1, offset=2, method="block",
+                  return_logprobs=kind, **params)
+        got, want = _both(sk.verify_chain, **padded, **kw)
+        _assert_same(got, want)
+        assert int(want.num_accepted.sum()) > 0
+        got, want = _both(sk.verify_chain_packed, max_draft_tokens=3, **packed, **kw)
+        _assert_same(got, want)
+    # Some live draft is masked out on its row: the bitmask decides there.
+    ids, mask = padded["draft_token_ids"], padded["token_bitmask"][:, :3]
+    bits = (mask.gather(2, (ids // 32)[..., None])[..., 0] >> (ids % 32)) & 1
+    live = torch.arange(3)[None] < torch.tensor(lengths)[:, None]
+    assert bool(((bits == 0) & live).any())
+
+
+def test_traversal_with_features_raises_on_triton():
+    vocab = 37
+    target = _to(torch.randn(1, 3, vocab))
+    tokens, parents = _to(torch.tensor([[-1, 1, 2]])), _to(torch.tensor([[-1, 0, 0]]))
+    q = _to(torch.full((1, 3, vocab), 1.0 / vocab))
+    allowed = _to(bitmask_of(torch.ones(1, 3, vocab, dtype=torch.bool)))
+    for kw in (dict(token_bitmask=allowed), dict(return_logprobs="processed")):
+        with pytest.raises(NotImplementedError, match="traversal"):
+            sk.verify_tree(target, tokens, parents, draft_probs=q, method="traversal",
+                           temperature=1.0, backend="triton", **kw)
