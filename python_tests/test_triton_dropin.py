@@ -130,14 +130,20 @@ def test_tree_features_match_reference(mode, use_mask, kind):
     _assert_same(got, want)
 
 
-@pytest.mark.parametrize("mode", ["one_hot", "draft_logits"])
-def test_packed_matches_padded_and_reference(mode):
-    lengths = [3, 0, 2, 3, 1, 0]
-    packed, padded = packed_problem(lengths, dtype=torch.bfloat16, seed=4)
+def _packed_problem_of(mode, lengths, **kwargs):
+    """``packed_problem`` with draft logits (``mode="draft_logits"``) or one-hot drafts."""
+    packed, padded = packed_problem(lengths, **kwargs)
     for d in (packed, padded):
         logits = d.pop("draft_logits")
         if mode == "draft_logits":
             d["draft_logits"] = logits
+    return packed, padded
+
+
+@pytest.mark.parametrize("mode", ["one_hot", "draft_logits"])
+def test_packed_matches_padded_and_reference(mode):
+    lengths = [3, 0, 2, 3, 1, 0]
+    packed, padded = _packed_problem_of(mode, lengths, dtype=torch.bfloat16, seed=4)
     gen = torch.Generator().manual_seed(5)
     params = _feature_params(len(lengths), 37, gen)
     kw = dict(seed=torch.arange(len(lengths)) * 3, offset=1, return_logprobs="processed",
@@ -207,11 +213,7 @@ def test_block_with_bitmask_and_logprobs_matches_reference(mode):
     masses honour the bitmask (p of a masked draft is 0), logprobs are written, and the
     packed rows are read in place; Triton == reference, padded and packed."""
     lengths = [3, 3, 2, 3, 1, 0, 3, 2]
-    packed, padded = packed_problem(lengths, seed=6)
-    for d in (packed, padded):
-        logits = d.pop("draft_logits")
-        if mode == "draft_logits":
-            d["draft_logits"] = logits
+    packed, padded = _packed_problem_of(mode, lengths, seed=6)
     gen = torch.Generator().manual_seed(7)
     params = _feature_params(len(lengths), 37, gen)
     for kind in ("processed", "raw"):

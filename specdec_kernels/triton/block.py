@@ -28,8 +28,8 @@ import triton.language as tl
 from ._launch import (block_size, cdiv, interpreted, launch_options, next_pow2, num_sms,
                       scratch)
 from ._tiles import allowed_logits, exp2_scale, load_logits, processed_prob
-from .race import Q_LOGITS, Q_ONE_HOT, Q_PROBS, prefix_weight
-from .stats import PackedRows, RowStats, load_row_stats, packed_request, row_layout
+from .race import Q_LOGITS, Q_ONE_HOT, Q_PROBS, chain_rows, prefix_weight
+from .stats import PackedRows, RowStats, load_row_stats, row_layout
 
 
 @triton.jit
@@ -52,14 +52,9 @@ def _residual_mass_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_
     chunk = tl.program_id(2)
     temperature = tl.load(temperature_ptr + req)
     scale = exp2_scale(temperature)
-    if PACKED:  # the race kernel's pointer moves (statistics rows stay req * (K + 1) + j)
-        first, num_draft_tokens = packed_request(cu_ptr, req, num_packed, K)
-        logits_ptr += (first + req) * stride_row
-        q_ptr += first * stride_q_row
-        draft_ids_ptr += first
-        bitmask_ptr += (first + req - req.to(tl.int64) * (K + 1)) * bitmask_words
-    else:
-        num_draft_tokens = tl.minimum(tl.maximum(tl.load(num_draft_tokens_ptr + req), 0), K)
+    num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr = chain_rows(
+        req, num_draft_tokens_ptr, cu_ptr, num_packed, logits_ptr, stride_row, q_ptr,
+        stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K, PACKED)
     ids_row = draft_ids_ptr + req.to(tl.int64) * stride_ids
     logits_row = logits_ptr + req.to(tl.int64) * stride_req
     q_row = q_ptr + req.to(tl.int64) * stride_q_req

@@ -196,6 +196,26 @@ def _num_draft_tokens(num_draft_tokens_ptr, req, K):
 
 
 @triton.jit
+def chain_rows(req, num_draft_tokens_ptr, cu_ptr, num_packed, logits_ptr, stride_row, q_ptr,
+               stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K,
+               PACKED: tl.constexpr):
+    """``(num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr)`` of chain request
+    ``req``: padded, the clamped count and the pointers unchanged; PACKED, the request's
+    count from ``cu_num_draft_tokens`` and the pointers moved to its first rows (the
+    launcher passes zero request strides), the bitmask so that statistics row
+    ``req * (K + 1) + j`` addresses packed row ``first + req + j``."""
+    if PACKED:
+        first, num_draft_tokens = packed_request(cu_ptr, req, num_packed, K)
+        logits_ptr += (first + req) * stride_row
+        q_ptr += first * stride_q_row
+        draft_ids_ptr += first
+        bitmask_ptr += (first + req - req.to(tl.int64) * (K + 1)) * bitmask_words
+    else:
+        num_draft_tokens = _num_draft_tokens(num_draft_tokens_ptr, req, K)
+    return num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr
+
+
+@triton.jit
 def _draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr,
                  argmax_ptr, q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K,
                  bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
@@ -466,15 +486,9 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     draft_logprobs = tl.zeros([K_P2], tl.float32)
     num_draft_tokens = tl.full([], 0, tl.int32)
     if IS_CHAIN:
-        if PACKED:
-            first, num_draft_tokens = packed_request(cu_ptr, req, num_packed, K)
-            logits_ptr += (first + req) * stride_row
-            q_ptr += first * stride_q_row
-            draft_ids_ptr += first
-            # Statistics row req * (K + 1) + j is packed row first + req + j.
-            bitmask_ptr += (first + req - req.to(tl.int64) * (K + 1)) * bitmask_words
-        else:
-            num_draft_tokens = _num_draft_tokens(num_draft_tokens_ptr, req, K)
+        num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr = chain_rows(
+            req, num_draft_tokens_ptr, cu_ptr, num_packed, logits_ptr, stride_row, q_ptr,
+            stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K, PACKED)
     # Block verification (BLOCK_METHOD, sampled requests): the residual is
     # max(w_tau p - q, 0); p_weight is 1 otherwise (an exact multiply).
     p_weight = tl.full([], 1.0, tl.float32)
