@@ -101,4 +101,11 @@ def triton_refuses(op: str, device: str = "cpu") -> frozenset:
             calls[op](backend="triton", seed=0, **{name: values[name]})
         except NotImplementedError:
             refused.add(name)
+        if op == "verify_tree":  # traversal may refuse what the token walk takes: "traversal:name"
+            try:
+                calls[op](backend="triton", seed=0, method="traversal",
+                          draft_probs=torch.full((1, rows, vocab), 1.0 / vocab, device=device),
+                          **{name: values[name]})
+            except NotImplementedError:
+                refused.add(f"traversal:{name}")
     return frozenset(refused)

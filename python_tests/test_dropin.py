@@ -16,11 +16,6 @@ from specdec_kernels.reference import sampling as ref_sampling
 from conftest import CHAIN_BACKENDS
 from test_chain_exactness import ALPHA, TV_MIN, _chi_square
 
-# Interim (until the kernels take the new arguments): the Triton backend raises
-# NotImplementedError for them; strict, so the marker must go when they land.
-_TRITON = CHAIN_BACKENDS[1]
-FEATURE_BACKENDS = ["reference", pytest.param(*_TRITON.values, marks=list(_TRITON.marks) + [
-    pytest.mark.xfail(raises=NotImplementedError, strict=True, reason="kernels pending")])]
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -132,7 +127,7 @@ def test_processed_probs_bitmask_leading_dims_and_bits_past_vocab():
                                                                         float("-inf"))))
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", CHAIN_BACKENDS)
 def test_nothing_allowed_emits_minus_one_with_nan_logprob(backend):
     logits = torch.randn(3, 40)
     allowed = torch.ones(3, 40, dtype=torch.bool)
@@ -344,7 +339,7 @@ def _masked_problem(batch=5, num_drafts=3, vocab=77, seed=0):
     return target, draft_logits, allowed, drafts
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", CHAIN_BACKENDS)
 @pytest.mark.parametrize("mode", ["one_hot", "draft_probs", "draft_logits"])
 def test_bitmask_equals_masked_logits(backend, mode):
     target, draft_logits, allowed, drafts = _masked_problem()
@@ -369,7 +364,7 @@ def test_bitmask_equals_masked_logits(backend, mode):
     assert torch.equal(s_mask, sk.sample(masked[:, 0], seed=4, min_p=0.02, backend=backend))
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", CHAIN_BACKENDS)
 def test_tree_bitmask_equals_masked_logits(backend):
     gen = torch.Generator().manual_seed(3)
     batch, nodes, vocab = 4, 5, 70
@@ -421,7 +416,7 @@ def packed_problem(lengths, num_drafts=3, vocab=37, seed=0, dtype=torch.float32)
 PACKED_LENGTHS = [3, 0, 1, 3, 2, 0, 3]
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", CHAIN_BACKENDS)
 @pytest.mark.parametrize("mode", ["one_hot", "draft_probs", "draft_logits"])
 def test_packed_equals_padded(backend, mode):
     packed, padded = packed_problem(PACKED_LENGTHS)
@@ -552,7 +547,7 @@ def test_bad_packed_offsets_raise_naming_cu_num_draft_tokens(backend):
         sk.verify_chain_packed(target, ids, cu, token_bitmask=packed["token_bitmask"][1:], **kw)
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", CHAIN_BACKENDS)
 def test_unvalidated_garbage_stays_in_range(backend):
     gen = torch.Generator().manual_seed(9)
     vocab = 45

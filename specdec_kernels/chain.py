@@ -208,8 +208,14 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
                                      device=device, validate=validate, min_p=min_p)
     if validate:
         _check_packed_values(draft_token_ids, cu_num_draft_tokens, max_draft_tokens, vocab)
-    layout = packed_layout(cu_num_draft_tokens, num_packed, max_draft_tokens)
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    if use_triton:  # the kernels read the packed rows in place
+        from .triton import chain as _triton
+        return ChainVerifyOutput(*_triton.verify_chain(
+            target_logits, draft_token_ids, draft_probs, draft_logits, None, params, seeds,
+            offsets, method=method, token_bitmask=token_bitmask,
+            return_logprobs=return_logprobs, packed=(cu_num_draft_tokens, max_draft_tokens)))
+    layout = packed_layout(cu_num_draft_tokens, num_packed, max_draft_tokens)
     return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                       layout.num_draft_tokens, params, seeds, offsets, token_bitmask,
                       return_logprobs, layout=layout, method=method,
@@ -275,25 +281,15 @@ def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_lo
                           token_bitmask)
     if use_triton:
         from .triton import chain as _triton
-        _triton_features_missing(params, token_bitmask, return_logprobs)
-        out, accepted = _triton.verify_chain(target_logits, draft_token_ids, draft_probs,
-                                             draft_logits, num_draft_tokens, params, seeds,
-                                             offsets, method=method)
-        return ChainVerifyOutput(out, accepted)
+        return ChainVerifyOutput(*_triton.verify_chain(
+            target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens, params,
+            seeds, offsets, method=method, token_bitmask=token_bitmask,
+            return_logprobs=return_logprobs))
     out, accepted, logprobs = _reference.verify_chain(
         target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
         params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,
         token_bitmask=token_bitmask, return_logprobs=return_logprobs, method=method)
     return ChainVerifyOutput(out, accepted, logprobs)
-
-
-def _triton_features_missing(params, token_bitmask, return_logprobs) -> None:
-    """Interim: the kernels do not take the section 8-9 arguments yet."""
-    for name, used in (("min_p", params.uses_min_p), ("token_bitmask", token_bitmask is not None),
-                       ("return_logprobs", return_logprobs is not None)):
-        if used:
-            raise NotImplementedError(f"{name}: not in the Triton kernels yet; use "
-                                      f"backend='reference'")
 
 
 def padded_inputs(layout: PackedLayout, target_logits, draft_token_ids, draft_probs,

@@ -132,11 +132,11 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=logits.device)
     if use_triton:
         from .triton import sampling as _triton
-        from .chain import _triton_features_missing
-        _triton_features_missing(params, token_bitmask, return_logprobs)
-        return _triton.sample(logits, params, seeds, offsets)
-    if _cpu.selected(backend, logits.device) and _cpu.runs_sample(logits, return_logprobs):
+        result = _triton.sample(logits, params, seeds, offsets, token_bitmask=token_bitmask,
+                                return_logprobs=return_logprobs)
+    elif _cpu.selected(backend, logits.device) and _cpu.runs_sample(logits, return_logprobs):
         return _cpu.sample(logits, params, seeds, offsets, token_bitmask)
-    result = _reference.sample(logits, params.temperature, params.top_k, params.top_p, seeds,
-                               offsets, params.min_p, token_bitmask, return_logprobs)
+    else:
+        result = _reference.sample(logits, params.temperature, params.top_k, params.top_p,
+                                   seeds, offsets, params.min_p, token_bitmask, return_logprobs)
     return result if return_logprobs is None else SampleOutput(*result)

@@ -140,12 +140,10 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
 
     if use_triton:
         from .triton import tree as _triton
-        from .chain import _triton_features_missing
-        _triton_features_missing(params, token_bitmask, return_logprobs)
-        out, path, accepted = _triton.verify_tree(target_logits, tree_token_ids, parents,
-                                                  draft_probs, draft_sampling, num_nodes, params,
-                                                  seeds, offsets, method=method)
-        return TreeVerifyOutput(out, path, accepted)
+        return TreeVerifyOutput(*_triton.verify_tree(
+            target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
+            params, seeds, offsets, method=method, token_bitmask=token_bitmask,
+            return_logprobs=return_logprobs))
     return TreeVerifyOutput(*_reference.verify_tree(
         target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
         params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,

@@ -135,6 +135,8 @@ def _verify_call(draw, call: Call, garbage: bool, exclude=()):
         _tree_call(draw, call, garbage, exclude)
         if method == "traversal" and "draft_probs" not in kw:
             method = "token"  # traversal needs the drafter's probabilities
+        if method == "traversal" and any(f"traversal:{name}" in exclude for name in kw):
+            method = "token"  # an argument the backend's traversal does not take yet
     if method != "token":
         kw["method"] = method
 

@@ -27,37 +27,43 @@ import triton.language as tl
 
 from ._launch import (block_size, cdiv, interpreted, launch_options, next_pow2, num_sms,
                       scratch)
-from ._tiles import exp2_scale, load_logits, processed_prob
-from .race import Q_LOGITS, Q_ONE_HOT, Q_PROBS, prefix_weight
-from .stats import RowStats, load_row_stats
+from ._tiles import allowed_logits, exp2_scale, load_logits, processed_prob
+from .race import Q_LOGITS, Q_ONE_HOT, Q_PROBS, chain_rows, prefix_weight
+from .stats import PackedRows, RowStats, load_row_stats, row_layout
 
 
 @triton.jit
 def _residual_mass_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
                           q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr,
                           draft_ids_ptr, stride_ids, num_draft_tokens_ptr, temperature_ptr,
-                          mass_ptr, V, K, chunk_size,
-                          Q_MODE: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                          mass_ptr, V, K, chunk_size, bitmask_ptr, bitmask_words, cu_ptr,
+                          num_packed, Q_MODE: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                           STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                           Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, HAS_BITMASK: tl.constexpr = False,
+                          PACKED: tl.constexpr = False):
     """Program (b, j, c): chunk c of ``R_{j+1}`` of request b (``j`` in ``0..K-2``, 0-based
     draft index), 0 where block verification does not read it (draft ``j`` not live or the
-    last live one, greedy requests, ``w = 0``, whose residual mass is 0 anyway)."""
+    last live one, greedy requests, ``w = 0``, whose residual mass is 0 anyway).
+    HAS_BITMASK: p of the target rows honours ``token_bitmask`` (as in the statistics and
+    the race). PACKED: the rows are read in place, as the race kernel finds them."""
     req = tl.program_id(0)
     j = tl.program_id(1)
     chunk = tl.program_id(2)
     temperature = tl.load(temperature_ptr + req)
     scale = exp2_scale(temperature)
-    num_draft_tokens = tl.minimum(tl.maximum(tl.load(num_draft_tokens_ptr + req), 0), K)
+    num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr = chain_rows(
+        req, num_draft_tokens_ptr, cu_ptr, num_packed, logits_ptr, stride_row, q_ptr,
+        stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K, PACKED)
     ids_row = draft_ids_ptr + req.to(tl.int64) * stride_ids
     logits_row = logits_ptr + req.to(tl.int64) * stride_req
     q_row = q_ptr + req.to(tl.int64) * stride_q_req
     row = j.to(tl.int64) + 1
     weight, live = prefix_weight(req, row, num_draft_tokens, ids_row, logits_row, stride_row,
                                  stats_ptr, argmax_ptr, q_row, stride_q_row, q_stats_ptr,
-                                 q_argmax_ptr, scale, V, K, Q_MODE, STATS_CHUNKS,
-                                 STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+                                 q_argmax_ptr, scale, V, K, bitmask_ptr, bitmask_words,
+                                 Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
+                                 Q_STATS_CHUNKS_P2, HAS_BITMASK)
     next_id = tl.load(ids_row + row, mask=row < num_draft_tokens, other=-1).to(tl.int64)
     needed = live & (next_id >= 0) & (next_id < V) & (temperature != 0.0) & (weight > 0.0)
     total = tl.full([], 0.0, tl.float32)
@@ -74,13 +80,15 @@ def _residual_mass_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_
                                                      Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
         # Per-lane sums, reduced once after the loop.
         lane = tl.zeros([BLOCK], tl.float32)
+        bm_row_ptr = bitmask_ptr + (req.to(tl.int64) * (K + 1) + row) * bitmask_words
         start_v = chunk * chunk_size
         end_v = tl.minimum(start_v + chunk_size, V)
         for start in range(start_v, end_v, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < end_v
-            p = processed_prob(load_logits(logits_row + row * stride_row, offs, mask),
-                               x_max, x_thr, norm, scale)
+            x = allowed_logits(load_logits(logits_row + row * stride_row, offs, mask), offs,
+                               mask, bm_row_ptr, HAS_BITMASK)
+            p = processed_prob(x, x_max, x_thr, norm, scale)
             if Q_MODE == Q_ONE_HOT:
                 q = tl.where(offs == next_id, 1.0, 0.0)
             elif Q_MODE == Q_PROBS:
@@ -116,12 +124,14 @@ def mass_chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int, 
     return chunk, cdiv(vocab, chunk), block
 
 
-def residual_masses(target_logits: torch.Tensor, stats: RowStats, drafts, params
+def residual_masses(target_logits: torch.Tensor, stats: RowStats, drafts, params,
+                    bitmask: torch.Tensor | None = None, packed: PackedRows | None = None
                     ) -> tuple[torch.Tensor, int]:
     """Launch ``_residual_mass_kernel`` for a chain (``target_logits`` ``[B, K+1, V]``, last dim
-    contiguous, K >= 2; ``drafts`` the race's ``DraftInputs``). Returns the partials
-    ``[B, K-1, chunks]`` float32 and ``chunks``; the race sums them in chunk order."""
-    batch, rows, vocab = target_logits.shape
+    contiguous, K >= 2; ``drafts`` the race's ``DraftInputs``; ``bitmask`` and ``packed`` as
+    in ``race.race``). Returns the partials ``[B, K-1, chunks]`` float32 and ``chunks``; the
+    race sums them in chunk order."""
+    batch, rows, vocab, strides = row_layout(target_logits, packed)
     num_drafts = rows - 1
     device = target_logits.device
     chunk, num_chunks, block = mass_chunks(batch * (num_drafts - 1), vocab, device)
@@ -129,31 +139,46 @@ def residual_masses(target_logits: torch.Tensor, stats: RowStats, drafts, params
                          device=device)
     dummy_f, dummy_i = scratch(device, torch.float32), scratch(device, torch.int32)
     q = drafts.q if drafts.q is not None else dummy_f  # one-hot drafts: never read
-    q_strides = (q.stride(0), q.stride(1)) if drafts.q is not None else (0, 0)
+    q_strides = (0, 0) if drafts.q is None else \
+        (q.stride(0), q.stride(1)) if packed is None else (0, q.stride(0))
     q_stats = drafts.q_stats or RowStats(dummy_f, dummy_i, 1)
+    features = {}  # compiled in only when used
+    if bitmask is not None:
+        features["HAS_BITMASK"] = True
+    if packed is not None:
+        features["PACKED"] = True
     _residual_mass_kernel[(batch, num_drafts - 1, num_chunks)](
-        target_logits, target_logits.stride(0), target_logits.stride(1), stats.stats,
+        target_logits, *strides, stats.stats,
         stats.argmax, q, q_strides[0], q_strides[1], q_stats.stats, q_stats.argmax,
-        drafts.token_ids, drafts.token_ids.stride(0), drafts.num_draft_tokens,
-        params.temperature, masses, vocab, num_drafts, chunk,
+        drafts.token_ids, drafts.token_ids.stride(0) if packed is None else 0,
+        drafts.num_draft_tokens, params.temperature, masses, vocab, num_drafts, chunk,
+        bitmask if bitmask is not None else dummy_i,
+        bitmask.shape[-1] if bitmask is not None else 0,
+        packed.cu_num_draft_tokens if packed is not None else dummy_i,
+        packed.num_packed if packed is not None else 0,
         Q_MODE=int(drafts.q_mode), NUM_CHUNKS=num_chunks, BLOCK=block, **stats.constexprs(),
-        **q_stats.constexprs("Q_"), **launch_options(device, 4))
+        **q_stats.constexprs("Q_"), **features, **launch_options(device, 4))
     return masses, num_chunks
 
 
 COMPILE_SPECS = [
-    dict(name=f"residual_mass[bf16,{mode_name}]", kernel=_residual_mass_kernel,
+    dict(name=f"residual_mass[bf16,{mode_name}{',bitmask,packed' if features else ''}]",
+         kernel=_residual_mass_kernel,
          signature=dict(logits_ptr="*bf16", stride_req="i32", stride_row="i32",
                         stats_ptr="*fp32", argmax_ptr="*i32", q_ptr=f"*{q_dtype}",
                         stride_q_req="i32", stride_q_row="i32", q_stats_ptr="*fp32",
                         q_argmax_ptr="*i32", draft_ids_ptr="*i64", stride_ids="i32",
                         num_draft_tokens_ptr="*i32", temperature_ptr="*fp32",
-                        mass_ptr="*fp32", V="i32", K="i32", chunk_size="i32"),
+                        mass_ptr="*fp32", V="i32", K="i32", chunk_size="i32",
+                        bitmask_ptr="*i32", bitmask_words="i32", cu_ptr="*i64",
+                        num_packed="i32"),
          constexprs=dict(Q_MODE=int(q_mode), NUM_CHUNKS=4, STATS_CHUNKS=4, STATS_CHUNKS_P2=4,
                          Q_STATS_CHUNKS=4 if q_mode == Q_LOGITS else 1,
-                         Q_STATS_CHUNKS_P2=4 if q_mode == Q_LOGITS else 1, BLOCK=MASS_BLOCK),
+                         Q_STATS_CHUNKS_P2=4 if q_mode == Q_LOGITS else 1, BLOCK=MASS_BLOCK,
+                         HAS_BITMASK=features, PACKED=features),
          num_warps=4, maxnreg=128)
-    for mode_name, q_mode, q_dtype in (("one_hot", Q_ONE_HOT, "fp32"),
-                                       ("draft_probs", Q_PROBS, "fp32"),
-                                       ("draft_logits", Q_LOGITS, "bf16"))
+    for mode_name, q_mode, q_dtype, features in (("one_hot", Q_ONE_HOT, "fp32", False),
+                                                 ("draft_probs", Q_PROBS, "fp32", False),
+                                                 ("draft_logits", Q_LOGITS, "bf16", False),
+                                                 ("draft_logits", Q_LOGITS, "bf16", True))
 ]

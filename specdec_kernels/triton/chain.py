@@ -34,49 +34,74 @@ from __future__ import annotations
 import torch
 
 from ._launch import last_dim_contiguous, scratch
+from ._tiles import LOGPROBS_KINDS, LOGPROBS_RAW
 from .block import residual_masses
 from .race import Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS, DraftInputs, race
-from .stats import row_stats
+from .stats import PackedRows, row_stats
 
 
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  draft_probs: torch.Tensor | None, draft_logits: torch.Tensor | None,
                  num_draft_tokens: torch.Tensor, params, seeds: torch.Tensor,
-                 offsets: torch.Tensor, method: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32)``; arguments parsed
+                 offsets: torch.Tensor, method: str = "token", *,
+                 token_bitmask: torch.Tensor | None = None, return_logprobs: str | None = None,
+                 packed: tuple[torch.Tensor, int] | None = None):
+    """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32, logprobs)``
+    (``logprobs`` float32 ``[B, K+1]`` with ``return_logprobs``, else None); arguments parsed
     by the public layer (``num_draft_tokens`` int32 ``[B]``, seeds/offsets int64 ``[B]``,
-    ``method`` ``"token"`` or ``"block"``)."""
+    ``method`` ``"token"`` or ``"block"``, ``token_bitmask`` int32 ``[B, K+1, W]`` of the
+    target rows: the draft logits never take it).
+
+    ``packed = (cu_num_draft_tokens, K)``: the inputs are in the packed layout
+    (``verify_chain_packed``: ``target_logits [T+B, V]``, ``draft_token_ids [T]``, draft rows
+    ``[T, V]``, bitmask ``[T+B, W]``), read in place: every kernel finds a request's rows
+    through ``cu_num_draft_tokens`` itself (``num_draft_tokens`` is not read)."""
     target_logits = last_dim_contiguous(target_logits)
-    batch, rows, vocab = target_logits.shape
+    if packed is None:
+        batch, rows, vocab = target_logits.shape
+        target_rows = draft_rows = None
+    else:
+        batch, rows = packed[0].shape[0] - 1, packed[1] + 1
+        target_rows = PackedRows(packed[0].contiguous(), draft_token_ids.shape[0], rows, 1)
+        draft_rows = target_rows._replace(rows_per_req=rows - 1, live_extra=0)
     num_drafts = rows - 1  # K
     device = target_logits.device
     out = torch.empty((batch, rows), dtype=torch.int32, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
+    logprobs = None if return_logprobs is None else \
+        torch.empty((batch, rows), dtype=torch.float32, device=device)
     if batch == 0:
-        return out, num_accepted
+        return out, num_accepted, logprobs
     draft_ids = draft_token_ids if draft_token_ids.stride(-1) == 1 or num_drafts <= 1 \
         else draft_token_ids.contiguous()
-    if num_drafts == 0:  # never read: no draft is live
+    if num_drafts == 0 or draft_ids.numel() == 0:  # never read: no draft is live
         draft_ids = scratch(device, torch.int32)
 
-    stats = row_stats(target_logits, params, merge_in_consumer=True)
+    bitmask = None if token_bitmask is None else \
+        token_bitmask.reshape(-1, token_bitmask.shape[-1]).contiguous()
+    kind = LOGPROBS_KINDS[return_logprobs]
+    stats = row_stats(target_logits, params, merge_in_consumer=True, bitmask=bitmask,
+                      raw=kind == int(LOGPROBS_RAW), packed=target_rows)
     q, q_stats = None, None
     if draft_logits is not None:
         q_mode = Q_LOGITS
         q = last_dim_contiguous(draft_logits)
-        if num_drafts > 0:
-            q_stats = row_stats(q, params, merge_in_consumer=True)
+        if num_drafts > 0 and q.numel() > 0:  # (the draft logits never take the bitmask)
+            q_stats = row_stats(q, params, merge_in_consumer=True, packed=draft_rows)
     elif draft_probs is not None:
         q_mode = Q_PROBS
         q = last_dim_contiguous(draft_probs)
     else:
         q_mode = Q_ONE_HOT
-    if num_drafts == 0:
-        q_mode = Q_NONE  # no draft: the race is a bonus sample of p
-    drafts = DraftInputs(draft_ids, num_draft_tokens.to(torch.int32).contiguous(), num_accepted,
-                         q_mode, q, q_stats)
-    if method == "block" and num_drafts >= 2 and not params.all_greedy:
-        masses, chunks = residual_masses(target_logits, stats, drafts, params)
+    if num_drafts == 0 or (q is not None and q.numel() == 0):
+        q_mode, q = Q_NONE, None  # no live draft: the race is a bonus sample of p
+    num_draft = scratch(device, torch.int32) if packed is not None else \
+        num_draft_tokens.to(torch.int32).contiguous()
+    drafts = DraftInputs(draft_ids, num_draft, num_accepted, q_mode, q, q_stats)
+    if method == "block" and num_drafts >= 2 and not params.all_greedy and q_mode != Q_NONE:
+        masses, chunks = residual_masses(target_logits, stats, drafts, params, bitmask=bitmask,
+                                         packed=target_rows)
         drafts = drafts._replace(masses=masses, mass_chunks=chunks)
-    race(target_logits, stats, params, seeds, offsets, out, drafts)
-    return out, num_accepted
+    race(target_logits, stats, params, seeds, offsets, out, drafts, bitmask=bitmask,
+         logprobs=logprobs, logprobs_kind=kind, packed=target_rows)
+    return out, num_accepted, logprobs

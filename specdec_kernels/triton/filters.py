@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, interpreted, next_pow2
+from ._tiles import allowed_logits
 
 # Pivots per search pass on a GPU: each pass narrows the key interval by NUM_PIVOTS + 1.
 NUM_PIVOTS = 8
@@ -43,11 +44,14 @@ def _key_value(key, KEY_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _row_keys(row_ptr, offs, V, x_max, scale, KEY_SHIFT: tl.constexpr):
-    """(key, exp(z), finite) of the logits at ``offs`` (masked at V).
+def _row_keys(row_ptr, offs, V, x_max, scale, bm_row_ptr, KEY_SHIFT: tl.constexpr,
+              HAS_BITMASK: tl.constexpr):
+    """(key, exp(z), finite) of the allowed logits at ``offs`` (masked at V; HAS_BITMASK:
+    tokens whose bit is cleared count as -inf, ``allowed_logits``).
     (load_logits and _sort_key inlined: each nested call costs the interpreter a re-patch.)"""
     x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     x = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))
+    x = allowed_logits(x, offs, offs < V, bm_row_ptr, HAS_BITMASK)
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(x == 0.0, 0, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)) >> KEY_SHIFT
     finite = x > float("-inf")
@@ -69,8 +73,8 @@ def _pivot_accumulate(key, e, live, pivots32, count, mass, min_above, max_below)
 
 @triton.jit
 def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi, n_cand, cand_key_ptr, cand_e_ptr,
-                below_cand, KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr,
-                UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+                below_cand, bm_row_ptr, KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr,
+                UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """One pass evaluating NUM_PIVOTS keys spread over ``(lo, hi]`` at once.
 
     For each pivot, over the finite tokens with ``key >= floor_key``: the count and the mass
@@ -98,7 +102,8 @@ def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi, n_cand, cand_key_pt
         for start in range(0, V, BLOCK_S * UNROLL_S):
             for part in tl.static_range(UNROLL_S):
                 offs = start + part * BLOCK_S + tl.arange(0, BLOCK_S)
-                key, e, finite = _row_keys(row_ptr, offs, V, x_max, scale, KEY_SHIFT)
+                key, e, finite = _row_keys(row_ptr, offs, V, x_max, scale, bm_row_ptr,
+                                           KEY_SHIFT, HAS_BITMASK)
                 count, mass, min_above, max_below = _pivot_accumulate(
                     key, e, finite & (key >= floor_key), pivots32, count, mass, min_above,
                     max_below)
@@ -117,8 +122,9 @@ def _pivot_pass(row_ptr, V, x_max, scale, floor_key, lo, hi, n_cand, cand_key_pt
 
 
 @triton.jit
-def _compact(row_ptr, V, x_max, scale, floor_key, lo, cand_key_ptr, cand_e_ptr,
-             KEY_SHIFT: tl.constexpr, BLOCK_C: tl.constexpr, CAP: tl.constexpr):
+def _compact(row_ptr, V, x_max, scale, floor_key, lo, cand_key_ptr, cand_e_ptr, bm_row_ptr,
+             KEY_SHIFT: tl.constexpr, BLOCK_C: tl.constexpr, CAP: tl.constexpr,
+             HAS_BITMASK: tl.constexpr):
     """Writes the key and ``exp(z)`` of every live token with ``key >= lo`` to the row's
     candidate list (at most CAP; the caller knows how many there are) and returns their
     number and the largest live key below ``lo``. Later passes read only the list."""
@@ -126,7 +132,8 @@ def _compact(row_ptr, V, x_max, scale, floor_key, lo, cand_key_ptr, cand_e_ptr,
     lane_below = tl.full([BLOCK_C], -2147483648, tl.int32)
     for start in range(0, V, BLOCK_C):
         offs = start + tl.arange(0, BLOCK_C)
-        key, e, finite = _row_keys(row_ptr, offs, V, x_max, scale, KEY_SHIFT)
+        key, e, finite = _row_keys(row_ptr, offs, V, x_max, scale, bm_row_ptr, KEY_SHIFT,
+                                   HAS_BITMASK)
         live = finite & (key >= floor_key)
         keep = live & (key >= lo)
         lane_below = tl.maximum(lane_below, tl.where(live & (key < lo), key, -2147483648))
@@ -142,9 +149,9 @@ def _compact(row_ptr, V, x_max, scale, floor_key, lo, cand_key_ptr, cand_e_ptr,
 
 @triton.jit
 def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, n_cand, below_cand,
-            cand_key_ptr, cand_e_ptr, BY_MASS: tl.constexpr, KEY_SHIFT: tl.constexpr,
-            BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-            CAP: tl.constexpr):
+            cand_key_ptr, cand_e_ptr, bm_row_ptr, BY_MASS: tl.constexpr,
+            KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr,
+            NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """The largest key ``t`` whose kept set ``{key >= t}`` still has count (top-k) or mass
     (top-p) ``>= target``, searched in ``[lo, hi]`` (keys of the row; ``lo`` qualifies and
     bounds the set from below). Returns ``t``, the count and mass of its kept set, and the
@@ -158,11 +165,11 @@ def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, n_cand,
     while lo < hi:
         if (n_cand < 0) & (lo_count <= CAP):
             n_cand, below_cand = _compact(row_ptr, V, x_max, scale, floor_key, lo.to(tl.int32),
-                                          cand_key_ptr, cand_e_ptr, KEY_SHIFT,
-                                          BLOCK_S * UNROLL_S, CAP)
+                                          cand_key_ptr, cand_e_ptr, bm_row_ptr, KEY_SHIFT,
+                                          BLOCK_S * UNROLL_S, CAP, HAS_BITMASK)
         pivots, count, mass, min_above, max_below = _pivot_pass(
             row_ptr, V, x_max, scale, floor_key, lo, hi, n_cand, cand_key_ptr, cand_e_ptr,
-            below_cand, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS)
+            below_cand, bm_row_ptr, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, HAS_BITMASK)
         if BY_MASS:
             ok = mass >= target
             exact = ok & (mass < 0.0)  # a mass target is never met exactly on purpose
@@ -184,11 +191,12 @@ def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, n_cand,
 
 @triton.jit
 def filter_threshold(row_ptr, r, req, V, x_max, total, x_min, num_finite, greedy, scale,
-                     top_k_ptr, top_p_ptr, cand_key_ptr, cand_e_ptr,
-                     USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
-                     BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                     CAP: tl.constexpr):
-    """Applies top-k then top-p to row ``r`` (of request ``req``) given its merged statistics
+                     temperature, top_k_ptr, top_p_ptr, min_p_ptr, cand_key_ptr, cand_e_ptr,
+                     bm_row_ptr, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
+                     USE_MIN_P: tl.constexpr, KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr,
+                     UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr, CAP: tl.constexpr,
+                     HAS_BITMASK: tl.constexpr):
+    """Applies top-k, min-p, then top-p to row ``r`` (of request ``req``) given its merged statistics
     (pivot passes over the row, or over its candidate list, ``CAP`` entries per row at
     ``cand_*_ptr``, for the requests that use them). Returns ``(x_thr, norm)``: the threshold
     (``-inf``: nothing cut) and ``sum(exp(z))`` over the kept tokens."""
@@ -208,9 +216,28 @@ def filter_threshold(row_ptr, r, req, V, x_max, total, x_min, num_finite, greedy
             hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
             lo, lo_count, lo_mass, n_cand, below_cand = _search(
                 row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, top_k.to(tl.float32),
-                n_cand, below_cand, cand_key_ptr, cand_e_ptr, False,
-                KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
+                n_cand, below_cand, cand_key_ptr, cand_e_ptr, bm_row_ptr, False,
+                KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
             filtered = tl.full([], 1, tl.int1)
+    if USE_MIN_P:
+        min_p = tl.load(min_p_ptr + req)
+        if (~greedy) & (min_p > 0.0) & has_finite:
+            # z >= max(z) + log(min_p) is x >= x_max + T * log(min_p): a threshold known at
+            # once (no search), its key rounded up onto the key grid. One pass (over the row,
+            # or top-k's candidate list) counts the kept set and its mass and snaps lo onto a
+            # key of the row: a one-pivot pass over the interval (cut_key - 1, cut_key].
+            cut = x_max + temperature * tl.log(tl.minimum(min_p, 1.0))
+            cut_key = _sort_key(cut, KEY_SHIFT)
+            cut_key = tl.where(_key_value(cut_key, KEY_SHIFT) < cut, cut_key + 1, cut_key)
+            if cut_key.to(tl.int64) > lo:
+                _, count, mass, min_above, _ = _pivot_pass(
+                    row_ptr, V, x_max, scale, lo.to(tl.int32), cut_key.to(tl.int64) - 1,
+                    cut_key.to(tl.int64), n_cand, cand_key_ptr, cand_e_ptr, below_cand,
+                    bm_row_ptr, KEY_SHIFT, BLOCK_S, UNROLL_S, 1, HAS_BITMASK)
+                lo = tl.max(min_above, axis=0).to(tl.int64)
+                lo_count = tl.max(count, axis=0)
+                lo_mass = tl.max(mass, axis=0)
+                filtered = tl.full([], 1, tl.int1)
     if USE_TOP_P:
         top_p = tl.load(top_p_ptr + req)
         if (~greedy) & (top_p < 1.0) & has_finite:
@@ -220,8 +247,8 @@ def filter_threshold(row_ptr, r, req, V, x_max, total, x_min, num_finite, greedy
             below_cand = tl.full([], -2147483648, tl.int32)
             lo, lo_count, lo_mass, n_cand, below_cand = _search(
                 row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, top_p * lo_mass,
-                n_cand, below_cand, cand_key_ptr, cand_e_ptr, True,
-                KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
+                n_cand, below_cand, cand_key_ptr, cand_e_ptr, bm_row_ptr, True,
+                KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
             filtered = tl.full([], 1, tl.int1)
     return tl.where(filtered, _key_value(lo, KEY_SHIFT), float("-inf")), lo_mass
 

@@ -19,8 +19,10 @@ from .._rng import PURPOSE_RESAMPLE, PURPOSE_SAMPLE
 from . import _rng as trng
 from ._launch import (MAX_REGISTERS, block_size, cdiv, interpreted, launch_options, next_pow2,
                       num_sms, scratch)
-from ._tiles import block_best, exp2_scale, load_logits, processed_prob, quad_offsets, tile_best
-from .stats import RowStats, load_row_stats
+from ._tiles import (LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, block_best, exp2_scale,
+                     load_logits, processed_prob, quad_offsets, tile_best, token_logprob)
+from .stats import (PackedRows, RowStats, load_raw_stats, load_row_stats, packed_request,
+                    row_layout)
 
 # Q modes of the race kernel: what the residual max(p - q, 0) subtracts. Q_NONE: no draft
 # (``sample``, or a chain with K = 0); the residual variant is then not compiled in.
@@ -49,13 +51,14 @@ def _race_prob(x, x_base, x_thr, inv_norm, scale):
 
 @triton.jit
 def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
-                  q_base, q_thr, q_inv_norm, draft_token, p_weight,
-                  Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+                  q_base, q_thr, q_inv_norm, draft_token, p_weight, bm_row_ptr,
+                  Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """The race's weights at tokens ``offs`` (``mask`` None for a full tile): ``(p, w, nan)``
     with ``w`` the residual ``max(p_weight * p - q, 0)`` (``p_weight``: block verification's
     ``w_tau``, else 1, which multiplies exactly) and ``nan`` where it is NaN when RESIDUAL,
-    else ``w = p`` (never NaN). Masked-off tokens weigh 0."""
-    x = load_logits(row_ptr, offs, mask)
+    else ``w = p`` (never NaN). Masked-off tokens (and, HAS_BITMASK, tokens whose bit is
+    cleared) weigh 0; the draft's q never takes the bitmask."""
+    x = allowed_logits(load_logits(row_ptr, offs, mask), offs, mask, bm_row_ptr, HAS_BITMASK)
     p = _race_prob(x, x_base, x_thr, inv_norm, scale)
     if RESIDUAL:
         if Q_MODE == Q_ONE_HOT:
@@ -74,20 +77,22 @@ def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
 
 @triton.jit
 def _group_step(row_ptr, q_ptr, offs, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-                q_inv_norm, draft_token, p_weight, lane_p, lane_r, lane_nan,
-                MASKED: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+                q_inv_norm, draft_token, p_weight, lane_p, lane_r, lane_nan, bm_row_ptr,
+                MASKED: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+                HAS_BITMASK: tl.constexpr):
     """One tile of ``_race_groups``: adds the tile's weights to the per-lane sums."""
     p, w, nan = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None,
                               x_base, x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm,
-                              draft_token, p_weight, Q_MODE, RESIDUAL)
+                              draft_token, p_weight, bm_row_ptr, Q_MODE, RESIDUAL, HAS_BITMASK)
     return lane_p + p, lane_r + w, tl.maximum(lane_nan, nan.to(tl.int32))
 
 
 @triton.jit
 def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
                  q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, position,
+                 bm_row_ptr,
                  PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """First level of the race (``_rng``: two-level race) over the token groups in
     ``[start_v, end_v)`` (``start_v`` a multiple of GROUP): each group's mass of p and, when
     RESIDUAL, of the residual, divided by the group's Exp(1) noise. Returns
@@ -110,13 +115,13 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
         for start in range(group_start, full_end, BLOCK):
             lane_p, lane_r, lane_nan = _group_step(
                 row_ptr, q_ptr, start + tl.arange(0, BLOCK), group_end, x_base, x_thr,
-                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, p_weight, lane_p,
-                lane_r, lane_nan, False, Q_MODE, RESIDUAL)
+                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, p_weight, lane_p, lane_r,
+                lane_nan, bm_row_ptr, False, Q_MODE, RESIDUAL, HAS_BITMASK)
         if full_end < group_end:
             lane_p, lane_r, lane_nan = _group_step(
                 row_ptr, q_ptr, full_end + tl.arange(0, BLOCK), group_end, x_base, x_thr,
-                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, p_weight, lane_p,
-                lane_r, lane_nan, True, Q_MODE, RESIDUAL)
+                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, p_weight, lane_p, lane_r,
+                lane_nan, bm_row_ptr, True, Q_MODE, RESIDUAL, HAS_BITMASK)
         group = group_start // GROUP
         noise = trng.group_noise(seed, offset, position, PURPOSE, group)
         mass_p = tl.sum(lane_p, axis=0)
@@ -135,13 +140,13 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
 @triton.jit
 def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
                 q_inv_norm, draft_token, p_weight, seed, offset, position, lane_best, lane_idx,
-                MASKED: tl.constexpr, PURPOSE: tl.constexpr, Q_MODE: tl.constexpr,
-                RESIDUAL: tl.constexpr, QUADS: tl.constexpr):
+                bm_row_ptr, MASKED: tl.constexpr, PURPOSE: tl.constexpr, Q_MODE: tl.constexpr,
+                RESIDUAL: tl.constexpr, QUADS: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """One ``[QUADS, 4]`` tile of ``_race_tokens``: per-lane winners, strict ``>``."""
     offs = quad_offsets(start, QUADS)
     _, w, _ = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None, x_base,
                             x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token,
-                            p_weight, Q_MODE, RESIDUAL)
+                            p_weight, bm_row_ptr, Q_MODE, RESIDUAL, HAS_BITMASK)
     noise = trng.token_noise(seed, offset, position, PURPOSE, start // 4, QUADS)
     score = tl.where(w > 0, w / noise, -1.0)
     take = score > lane_best
@@ -151,8 +156,9 @@ def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_
 @triton.jit
 def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
                  q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, position,
+                 bm_row_ptr,
                  PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """Second level of the race: ``argmax w_i / E_i`` over the tokens of ``group`` (lowest id
     among equal scores), ``w`` the residual when RESIDUAL, else p, and ``E_i`` the tokens'
     Philox Exp(1) noise, four tokens per Philox: ``[BLOCK // 4, 4]`` tiles, each thread owning
@@ -171,12 +177,12 @@ def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
         lane_best, lane_idx = _token_step(
             row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
             q_inv_norm, draft_token, p_weight, seed, offset, position, lane_best, lane_idx,
-            False, PURPOSE, Q_MODE, RESIDUAL, QUADS)
+            bm_row_ptr, False, PURPOSE, Q_MODE, RESIDUAL, QUADS, HAS_BITMASK)
     if full_end < end_v:
         lane_best, lane_idx = _token_step(
             row_ptr, q_ptr, full_end, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
             q_inv_norm, draft_token, p_weight, seed, offset, position, lane_best, lane_idx,
-            True, PURPOSE, Q_MODE, RESIDUAL, QUADS)
+            bm_row_ptr, True, PURPOSE, Q_MODE, RESIDUAL, QUADS, HAS_BITMASK)
     best, idx = tile_best(lane_best, lane_idx)
     return tl.where(best >= 0, idx, -1)
 
@@ -190,14 +196,36 @@ def _num_draft_tokens(num_draft_tokens_ptr, req, K):
 
 
 @triton.jit
+def chain_rows(req, num_draft_tokens_ptr, cu_ptr, num_packed, logits_ptr, stride_row, q_ptr,
+               stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K,
+               PACKED: tl.constexpr):
+    """``(num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr)`` of chain request
+    ``req``: padded, the clamped count and the pointers unchanged; PACKED, the request's
+    count from ``cu_num_draft_tokens`` and the pointers moved to its first rows (the
+    launcher passes zero request strides), the bitmask so that statistics row
+    ``req * (K + 1) + j`` addresses packed row ``first + req + j``."""
+    if PACKED:
+        first, num_draft_tokens = packed_request(cu_ptr, req, num_packed, K)
+        logits_ptr += (first + req) * stride_row
+        q_ptr += first * stride_q_row
+        draft_ids_ptr += first
+        bitmask_ptr += (first + req - req.to(tl.int64) * (K + 1)) * bitmask_words
+    else:
+        num_draft_tokens = _num_draft_tokens(num_draft_tokens_ptr, req, K)
+    return num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr
+
+
+@triton.jit
 def _draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr,
                  argmax_ptr, q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K,
-                 Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
+                 bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
                  STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
-                 Q_STATS_CHUNKS_P2: tl.constexpr):
-    """Draft ``j`` (0-based) of request ``req``: ``(token, valid, p_j(d_j), q_j(d_j), x_max,
-    argmax)``, ``valid`` when it is live and its id in ``[0, V)`` (else token 0, nothing read
-    through). Reads the id, 16 B of stats, one target logit and one draft probability, or one
+                 Q_STATS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr):
+    """Draft ``j`` (0-based) of request ``req``: ``(token, valid, p_j(d_j), q_j(d_j), x,
+    (x_max, x_thr, norm, argmax))``, ``valid`` when it is live and its id in ``[0, V)`` (else
+    token 0, nothing read through), ``x`` its allowed target logit (HAS_BITMASK: -inf, so
+    ``p = 0``, where its bit is cleared; statistics row ``req * (K + 1) + j``). Reads the id,
+    16 B of stats, one target logit (and its bitmask word) and one draft probability, or one
     draft logit and 12 B of its stats (12 B per chunk where ``row_stats`` left partials)."""
     live = j64 < num_draft_tokens
     draft = tl.load(ids_row + j64, mask=live, other=0).to(tl.int64)
@@ -205,8 +233,9 @@ def _draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, st
     token = tl.where(valid, draft, 0)
     x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * (K + 1) + j64,
                                                 valid, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
-    p = processed_prob(load_logits(logits_row + j64 * stride_row, token, valid),
-                       x_max, x_thr, norm, scale)
+    x = allowed_logits(load_logits(logits_row + j64 * stride_row, token, valid), token, valid,
+                       bitmask_ptr + (req * (K + 1) + j64) * bitmask_words, HAS_BITMASK)
+    p = processed_prob(x, x_max, x_thr, norm, scale)
     if Q_MODE == Q_PROBS:
         q = tl.load(q_row + j64 * stride_q_row + token, mask=valid, other=0.0).to(tl.float32)
     elif Q_MODE == Q_LOGITS:
@@ -217,36 +246,42 @@ def _draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, st
                            q_max, q_thr, q_norm, scale)
     else:  # Q_ONE_HOT
         q = tl.full([], 1.0, tl.float32)
-    return token, valid, p, q, x_max, argmax
+    return token, valid, p, q, x, (x_max, x_thr, norm, argmax)
 
 
 @triton.jit
 def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
                    q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
                    stride_ids, num_draft_tokens, greedy, scale, seed, offset, V, K,
-                   Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
-                   STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
-                   Q_STATS_CHUNKS_P2: tl.constexpr):
+                   bitmask_ptr, bitmask_words, raw_ptr, Q_MODE: tl.constexpr,
+                   STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
+                   Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
+                   HAS_BITMASK: tl.constexpr, LOGPROBS: tl.constexpr, K_P2: tl.constexpr):
     """The chain's acceptance loop for request ``req`` (contract section 3): returns
-    ``(num_accepted, rejected)``, ``rejected`` when a live, in-range draft was rejected (its
-    residual is sampled next). Reads ``_draft_terms`` per live draft. Out-of-range ids
-    (validate=False) are rejected without being read through, and leave no residual: they
-    were never drawn from q. The loads of all ``num_draft_tokens`` drafts are issued whatever
-    the verdicts (at most ~30 B per draft past the first rejection)."""
+    ``(num_accepted, rejected, draft_logprobs)`` (the ``[K_P2]`` logprobs of the drafts from
+    the values already gathered, with LOGPROBS; else zeros), ``rejected`` when a live,
+    in-range draft was rejected (its residual is sampled next). Reads ``_draft_terms`` per
+    live draft. Out-of-range ids (validate=False) are rejected without being read through,
+    and leave no residual: they were never drawn from q. The loads of all
+    ``num_draft_tokens`` drafts are issued whatever the verdicts (at most ~30 B per draft past
+    the first rejection)."""
     ids_row = draft_ids_ptr + req.to(tl.int64) * stride_ids
     logits_row = logits_ptr + req.to(tl.int64) * stride_req
     q_row = q_ptr + req.to(tl.int64) * stride_q_req
     accepting = num_draft_tokens > 0
     num_accepted = tl.full([], 0, tl.int32)
     rejected = tl.full([], 0, tl.int1)
+    positions = tl.arange(0, K_P2)
+    draft_logprobs = tl.zeros([K_P2], tl.float32)
     for j in range(0, K):
         j64 = tl.zeros([], tl.int64) + j  # the interpreter's loop index is a Python int
         # Loads do not wait for the previous draft's verdict (a few bytes more past the first
         # rejection, but one memory latency for the loop instead of one per draft).
-        token, valid, p, q, x_max, argmax = _draft_terms(
+        token, valid, p, q, x, (x_max, x_thr, norm, argmax) = _draft_terms(
             req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
-            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, Q_MODE, STATS_CHUNKS,
-            STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr,
+            bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
+            Q_STATS_CHUNKS_P2, HAS_BITMASK)
         u = trng.uniform(seed, offset, j64 + 1, trng.PURPOSE_ACCEPT, tl.zeros([], tl.int32))
         # Greedy p is one-hot at the arg-max (zero everywhere on a row with no finite logit).
         greedy_ok = (token == argmax) & (x_max > float("-inf"))
@@ -254,7 +289,12 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
         rejected = rejected | (accepting & valid & ~accepted)
         accepting = accepting & accepted
         num_accepted += accepting.to(tl.int32)
-    return num_accepted, rejected
+        if LOGPROBS != LOGPROBS_NONE:  # an accepted draft is allowed: x is its logit as given
+            raw_max, raw_log_sum = load_raw_stats(raw_ptr, req * (K + 1) + j, valid, LOGPROBS)
+            draft_logprobs = tl.where(positions == j, token_logprob(
+                x, x_max, x_thr, norm, scale, greedy, raw_max, raw_log_sum, token, LOGPROBS),
+                draft_logprobs)
+    return num_accepted, rejected, draft_logprobs
 
 
 # ------------------------------------------------------------------------- block verification
@@ -281,9 +321,10 @@ def rejection_weight(mass, weight):
 @triton.jit
 def prefix_weight(req, count, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr,
                   argmax_ptr, q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K,
-                  Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
-                  STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
-                  Q_STATS_CHUNKS_P2: tl.constexpr):
+                  bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr,
+                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
+                  Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
+                  HAS_BITMASK: tl.constexpr):
     """``(w_count, live)``: block verification's weight after the first ``count`` drafts, and
     whether all of them are live and in range (``count`` gathers of ``_draft_terms``)."""
     weight = tl.full([], 1.0, tl.float32)
@@ -292,8 +333,9 @@ def prefix_weight(req, count, num_draft_tokens, ids_row, logits_row, stride_row,
         i64 = tl.zeros([], tl.int64) + i
         _, valid, p, q, _, _ = _draft_terms(
             req, i64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
-            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, Q_MODE, STATS_CHUNKS,
-            STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr,
+            bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
+            Q_STATS_CHUNKS_P2, HAS_BITMASK)
         live = live & valid
         weight = sequence_weight(weight, p, q)
     return weight, live
@@ -303,10 +345,11 @@ def prefix_weight(req, count, num_draft_tokens, ids_row, logits_row, stride_row,
 def _block_accept(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
                   q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
                   stride_ids, mass_ptr, num_draft_tokens, scale, seed, offset, V, K,
-                  Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
-                  STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
-                  Q_STATS_CHUNKS_P2: tl.constexpr, MASS_CHUNKS: tl.constexpr,
-                  MASS_CHUNKS_P2: tl.constexpr):
+                  bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr,
+                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
+                  Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
+                  MASS_CHUNKS: tl.constexpr, MASS_CHUNKS_P2: tl.constexpr,
+                  HAS_BITMASK: tl.constexpr):
     """Block verification's acceptance (contract section 12; ``reference.chain.block_outcome``)
     for a sampled request: ``(tau, rejected, w_tau)``. The live drafts are the leading valid
     ones (``n`` of them); test ``j < n`` is ``u_j < h_j = R_j / (R_j + 1 - w_j)`` with ``R_j``
@@ -326,8 +369,9 @@ def _block_accept(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr
         j64 = tl.zeros([], tl.int64) + j
         _, valid, p, q, _, _ = _draft_terms(
             req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
-            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, Q_MODE, STATS_CHUNKS,
-            STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr,
+            bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
+            Q_STATS_CHUNKS_P2, HAS_BITMASK)
         live = live & valid
         previous = weight
         weight = sequence_weight(previous, p, q)
@@ -358,14 +402,25 @@ def _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids, num_ac
 
 
 @triton.jit
-def _sampled_row(req, num_accepted_ptr, num_draft_tokens_ptr, draft_ids_ptr, stride_ids, V, K,
+def _store_logprob_row(logprobs_ptr, stride_lp, req, draft_logprobs, num_accepted, final, K,
+                       K_P2: tl.constexpr):
+    """Row ``req`` of ``logprobs`` in one store: the accepted drafts', ``final`` at
+    ``num_accepted`` (NaN until the token is known), then NaN."""
+    positions = tl.arange(0, K_P2)
+    row = tl.where(positions < num_accepted, draft_logprobs,
+                   tl.where(positions == num_accepted, final, float("nan")))
+    tl.store(logprobs_ptr + req.to(tl.int64) * stride_lp + positions, row,
+             mask=positions < K + 1)
+
+
+@triton.jit
+def _sampled_row(req, num_accepted_ptr, num_draft_tokens, draft_ids_ptr, stride_ids, V,
                  IS_CHAIN: tl.constexpr):
     """(row within the request, whether a draft was rejected there) as the race kernel left
     them: a chain samples row ``num_accepted``, from the residual after a rejection of a live,
     in-range draft; ``sample`` samples row 0."""
     if IS_CHAIN:
         num_accepted = tl.load(num_accepted_ptr + req)
-        num_draft_tokens = _num_draft_tokens(num_draft_tokens_ptr, req, K)
         # A rejection of a live, in-range draft leaves a residual; an out-of-range id
         # (validate=False) was never drawn from q, so its request samples p.
         live = num_accepted < num_draft_tokens
@@ -385,14 +440,16 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr,
                  draft_ids_ptr, stride_ids, num_draft_tokens_ptr, num_accepted_ptr,
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
-                 part_score_ptr, part_index_ptr, mass_ptr, V, K, chunk_size,
+                 part_score_ptr, part_index_ptr, mass_ptr, V, K, chunk_size, bitmask_ptr,
+                 bitmask_words, raw_ptr, logprobs_ptr, stride_lp, cu_ptr, num_packed,
                  PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
                  STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                  Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
                  GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                  K_P2: tl.constexpr, BLOCK_METHOD: tl.constexpr, MASS_CHUNKS: tl.constexpr,
-                 MASS_CHUNKS_P2: tl.constexpr):
+                 MASS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr = False,
+                 LOGPROBS: tl.constexpr = 0, PACKED: tl.constexpr = False):
     """One correction/bonus (chain) or sample token per request, by the two-level race over
     row ``num_accepted`` (chain) or 0 of the request.
 
@@ -411,7 +468,13 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     and 20 B of partial winners per program of STAGE_GROUPS. Compute: ~10 operations per
     token of the row and one Philox per group for the first level; one Philox-4x32-10 per
     four tokens and a log per token for the winning group only. Greedy requests read none
-    of it: the arg-max comes from the statistics.
+    of it: the arg-max comes from the statistics. HAS_BITMASK: every target logit read is
+    masked by its row's ``token_bitmask`` word (4 B per 32 logits read; rows ``[B*(K+1), W]``).
+    LOGPROBS (processed, raw): also writes ``logprobs`` like the tokens, from the statistics
+    already loaded and one gathered logit per emitted token (raw: 8 B of T = 1 statistics
+    per row). PACKED (``verify_chain_packed``): the request's rows are read in place, found
+    through ``cu_num_draft_tokens`` (``packed_request``; the launcher passes zero request
+    strides and the kernel moves the base pointers to the request's first rows).
     """
     req = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -420,47 +483,61 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     scale = exp2_scale(temperature)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
+    draft_logprobs = tl.zeros([K_P2], tl.float32)
+    num_draft_tokens = tl.full([], 0, tl.int32)
+    if IS_CHAIN:
+        num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr = chain_rows(
+            req, num_draft_tokens_ptr, cu_ptr, num_packed, logits_ptr, stride_row, q_ptr,
+            stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K, PACKED)
     # Block verification (BLOCK_METHOD, sampled requests): the residual is
     # max(w_tau p - q, 0); p_weight is 1 otherwise (an exact multiply).
     p_weight = tl.full([], 1.0, tl.float32)
     if STAGE == STAGE_TOKENS:
-        num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_tokens_ptr,
-                                              draft_ids_ptr, stride_ids, V, K, IS_CHAIN)
+        num_accepted, rejected = _sampled_row(req, num_accepted_ptr, num_draft_tokens,
+                                              draft_ids_ptr, stride_ids, V, IS_CHAIN)
         if BLOCK_METHOD:
             if ~greedy:
                 p_weight, _ = prefix_weight(
-                    req, num_accepted, _num_draft_tokens(num_draft_tokens_ptr, req, K),
+                    req, num_accepted, num_draft_tokens,
                     draft_ids_ptr + req.to(tl.int64) * stride_ids,
                     logits_ptr + req.to(tl.int64) * stride_req, stride_row, stats_ptr,
                     argmax_ptr, q_ptr + req.to(tl.int64) * stride_q_req, stride_q_row,
-                    q_stats_ptr, q_argmax_ptr, scale, V, K, Q_MODE, STATS_CHUNKS,
-                    STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+                    q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr, bitmask_words,
+                    Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2,
+                    HAS_BITMASK)
     elif IS_CHAIN:
-        num_draft_tokens = _num_draft_tokens(num_draft_tokens_ptr, req, K)
-        num_accepted, rejected = _accept_drafts(
+        # The token rule's loop also gives the drafts' logprobs (the same values for block:
+        # the logprob of an emitted token depends only on its row).
+        num_accepted, rejected, draft_logprobs = _accept_drafts(
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
             stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr, stride_ids,
             num_draft_tokens, greedy, scale, seed, offset, V, K,
-            Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+            bitmask_ptr, bitmask_words, raw_ptr, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2,
+            Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2, HAS_BITMASK, LOGPROBS, K_P2)
         if BLOCK_METHOD:
             if ~greedy:  # greedy requests keep the token rule's answer (section 12)
                 num_accepted, rejected, p_weight = _block_accept(
                     req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr,
                     stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
-                    stride_ids, mass_ptr, num_draft_tokens, scale, seed, offset, V, K, Q_MODE,
-                    STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2,
-                    MASS_CHUNKS, MASS_CHUNKS_P2)
+                    stride_ids, mass_ptr, num_draft_tokens, scale, seed, offset, V, K,
+                    bitmask_ptr, bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2,
+                    Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2, MASS_CHUNKS, MASS_CHUNKS_P2,
+                    HAS_BITMASK)
         if STAGE == STAGE_GROUPS:
             if chunk == 0:  # the token itself follows from STAGE_TOKENS
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
                                  num_accepted, -1, K, K_P2)
                 tl.store(num_accepted_ptr + req, num_accepted)
+                if LOGPROBS != LOGPROBS_NONE:
+                    _store_logprob_row(logprobs_ptr, stride_lp, req, draft_logprobs,
+                                       num_accepted, float("nan"), K, K_P2)
     else:
         num_accepted = tl.full([], 0, tl.int32)
         rejected = tl.full([], 0, tl.int1)
     row = req * rows_per_req + num_accepted
     row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
                + num_accepted.to(tl.int64) * stride_row)
+    bm_row_ptr = bitmask_ptr + row.to(tl.int64) * bitmask_words
     x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, row,
                                                 tl.full([], 1, tl.int1), scale,
                                                 STATS_CHUNKS, STATS_CHUNKS_P2)
@@ -515,12 +592,12 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                 best_p, group_p, best_r, group_r, has_nan = _race_groups(
                     row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
                     q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
-                    PURPOSE, Q_MODE, True, GROUP, MASS_BLOCK)
+                    bm_row_ptr, PURPOSE, Q_MODE, True, GROUP, MASS_BLOCK, HAS_BITMASK)
             else:
                 best_p, group_p, best_r, group_r, has_nan = _race_groups(
                     row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
                     q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
-                    PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK)
+                    bm_row_ptr, PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK, HAS_BITMASK)
         if STAGE == STAGE_GROUPS:
             part = req * NUM_CHUNKS + chunk
             tl.store(part_score_ptr + part * 2 + 0, best_p)
@@ -540,22 +617,37 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                 if has_nan == 0:
                     token = _race_tokens(
                         row_ptr, q_row_ptr, group_r, V, x_base, x_thr, inv_norm, scale,
-                        q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
-                        PURPOSE, Q_MODE, True, GROUP, BLOCK)
+                        q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset,
+                        num_accepted, bm_row_ptr, PURPOSE, Q_MODE, True, GROUP, BLOCK, HAS_BITMASK)
             elif best_p >= 0:
                 token = _race_tokens(
                     row_ptr, q_row_ptr, group_p, V, x_base, x_thr, inv_norm, scale,
                     q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
-                    PURPOSE, Q_MODE, False, GROUP, BLOCK)
+                    bm_row_ptr, PURPOSE, Q_MODE, False, GROUP, BLOCK, HAS_BITMASK)
+        final_logprob = tl.full([], float("nan"), tl.float32)
+        if LOGPROBS != LOGPROBS_NONE:  # one gathered logit: the token won, so it is allowed
+            emitted = token >= 0
+            raw_max, raw_log_sum = load_raw_stats(raw_ptr, row, emitted, LOGPROBS)
+            final_logprob = token_logprob(
+                load_logits(row_ptr, tl.maximum(token, 0), emitted), x_max, x_thr, norm, scale,
+                greedy, raw_max, raw_log_sum, token, LOGPROBS)
         if IS_CHAIN:
             if STAGE == STAGE_BOTH:
                 _store_chain_row(out_ptr, stride_out, req, draft_ids_ptr, stride_ids,
                                  num_accepted, token, K, K_P2)
                 tl.store(num_accepted_ptr + req, num_accepted)
+                if LOGPROBS != LOGPROBS_NONE:
+                    _store_logprob_row(logprobs_ptr, stride_lp, req, draft_logprobs,
+                                       num_accepted, final_logprob, K, K_P2)
             else:
                 tl.store(out_ptr + req.to(tl.int64) * stride_out + num_accepted, token)
+                if LOGPROBS != LOGPROBS_NONE:
+                    tl.store(logprobs_ptr + req.to(tl.int64) * stride_lp + num_accepted,
+                             final_logprob)
         else:
             tl.store(out_ptr + req.to(tl.int64) * stride_out, token)
+            if LOGPROBS != LOGPROBS_NONE:
+                tl.store(logprobs_ptr + req.to(tl.int64) * stride_lp, final_logprob)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -598,13 +690,20 @@ class DraftInputs(NamedTuple):
 
 
 def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
-         offsets: torch.Tensor, out: torch.Tensor, drafts: DraftInputs | None = None) -> None:
+         offsets: torch.Tensor, out: torch.Tensor, drafts: DraftInputs | None = None,
+         bitmask: torch.Tensor | None = None, logprobs: torch.Tensor | None = None,
+         logprobs_kind: int = 0, packed: PackedRows | None = None) -> None:
     """Launch the race over ``logits`` ``[B, K + 1, V]`` (last dim contiguous) with their
     ``row_stats``: one launch when V is one chunk, else the first level over chunks and the
     second per request. Writes ``out[b, num_accepted[b]]`` of ``out`` ``[B, K + 1]`` (and, with
     ``drafts``, the accepted drafts, the -1 padding and ``num_accepted``); without drafts
-    (``sample``: K = 0) one token per request into ``out[b, 0]``."""
-    batch, rows_per_req, vocab = logits.shape
+    (``sample``: K = 0) one token per request into ``out[b, 0]``. ``bitmask``: int32
+    ``[B * (K + 1), W]`` ``token_bitmask`` rows of the target logits (contiguous); None
+    compiles it out. ``logprobs``: float32 like ``out``, written at the same places with
+    ``logprobs_kind`` (``LOGPROBS_KINDS``; raw reads ``stats.raw``). ``packed``: ``logits``
+    are the packed rows ``[T + B, V]`` (``drafts.q`` ``[T, V]``, ids ``[T]``, bitmask
+    ``[T + B, W]``), read in place."""
+    batch, rows_per_req, vocab, strides = row_layout(logits, packed)
     device = logits.device
     if batch == 0:
         return
@@ -619,21 +718,36 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
     if not is_chain:
         drafts = DraftInputs(dummy_i, dummy_i, dummy_i, Q_NONE)
     q = drafts.q if drafts.q is not None else dummy_f
-    q_strides = (q.stride(0), q.stride(1)) if drafts.q is not None else (0, 0)
+    q_strides = (0, 0) if drafts.q is None else \
+        (q.stride(0), q.stride(1)) if packed is None else (0, q.stride(0))
     q_stats = drafts.q_stats or RowStats(dummy_f, dummy_i, 1)
-    args = (logits, logits.stride(0), logits.stride(1), rows_per_req, stats.stats, stats.argmax,
+    args = (logits, *strides, rows_per_req, stats.stats, stats.argmax,
             q, q_strides[0], q_strides[1], q_stats.stats, q_stats.argmax,
-            drafts.token_ids, drafts.token_ids.stride(0), drafts.num_draft_tokens,
+            drafts.token_ids, drafts.token_ids.stride(0) if packed is None else 0,
+            drafts.num_draft_tokens,
             drafts.num_accepted, params.temperature, seeds, offsets, out, out.stride(0),
             part_score, part_index, drafts.masses if drafts.masses is not None else dummy_f,
-            vocab, num_drafts, chunk)
+            vocab, num_drafts, chunk,
+            bitmask if bitmask is not None else dummy_i,
+            bitmask.shape[-1] if bitmask is not None else 0,
+            stats.raw if logprobs_kind == int(LOGPROBS_RAW) else dummy_f,
+            logprobs if logprobs is not None else dummy_f,
+            logprobs.stride(0) if logprobs is not None else 0,
+            packed.cu_num_draft_tokens if packed is not None else dummy_i,
+            packed.num_packed if packed is not None else 0)
     constexprs = dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                       IS_CHAIN=is_chain, Q_MODE=int(drafts.q_mode), NUM_CHUNKS=num_chunks,
                       CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
                       BLOCK=block, K_P2=next_pow2(num_drafts + 1), **stats.constexprs(),
                       **q_stats.constexprs("Q_"), BLOCK_METHOD=drafts.masses is not None,
-                      MASS_CHUNKS=drafts.mass_chunks, MASS_CHUNKS_P2=next_pow2(drafts.mass_chunks),
-                      **launch_options(device, 4))
+                      MASS_CHUNKS=drafts.mass_chunks,
+                      MASS_CHUNKS_P2=next_pow2(drafts.mass_chunks), **launch_options(device, 4))
+    if bitmask is not None:  # compiled in only when used
+        constexprs["HAS_BITMASK"] = True
+    if logprobs_kind != int(LOGPROBS_NONE):
+        constexprs["LOGPROBS"] = logprobs_kind
+    if packed is not None:
+        constexprs["PACKED"] = True
     if num_chunks == 1:
         _race_kernel[(batch, 1)](*args, STAGE=int(STAGE_BOTH), **constexprs)
     else:
@@ -645,13 +759,15 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
 
 def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True,
                stage: int | None = None, stats_chunks: int = 1, q_stats_chunks: int = 1,
-               block_method: bool = False, mass_chunks: int = 1) -> dict:
+               features: bool = False, block_method: bool = False,
+               mass_chunks: int = 1) -> dict:
     q_mode = int(q_mode)
     mode = ["p", "one_hot", "draft_probs", "draft_logits"][q_mode]
     stage = int(stage if stage is not None else STAGE_BOTH if chunks == 1 else STAGE_GROUPS)
     stage_name = ["", ",groups", ",tokens"][stage]
     stats_name = (f",stats_chunks={stats_chunks}" if stats_chunks > 1 else "") + \
-        (f",q_stats_chunks={q_stats_chunks}" if q_stats_chunks > 1 else "")
+        (f",q_stats_chunks={q_stats_chunks}" if q_stats_chunks > 1 else "") + \
+        ((",bitmask+raw_logprobs" + (",packed" if is_chain else "")) if features else "")
     return dict(
         name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}"
              f"{stats_name}{',block' if block_method else ''}]",
@@ -664,7 +780,9 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                        temperature_ptr="*fp32",
                        seed_ptr="*i64", offset_ptr="*i64", out_ptr="*i32", stride_out="i32",
                        part_score_ptr="*fp32", part_index_ptr="*i32", mass_ptr="*fp32",
-                       V="i32", K="i32", chunk_size="i32"),
+                       V="i32", K="i32", chunk_size="i32", bitmask_ptr="*i32",
+                       bitmask_words="i32", raw_ptr="*fp32", logprobs_ptr="*fp32",
+                       stride_lp="i32", cu_ptr="*i64", num_packed="i32"),
         constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                         IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
                         CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,
@@ -672,7 +790,9 @@ def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: boo
                         Q_STATS_CHUNKS_P2=next_pow2(q_stats_chunks), GROUP=_rng.RACE_GROUP,
                         MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1,
                         BLOCK_METHOD=block_method, MASS_CHUNKS=mass_chunks,
-                        MASS_CHUNKS_P2=next_pow2(mass_chunks)),
+                        MASS_CHUNKS_P2=next_pow2(mass_chunks), HAS_BITMASK=features,
+                        LOGPROBS=int(LOGPROBS_RAW) if features else 0,
+                        PACKED=features and is_chain),
         num_warps=4, maxnreg=MAX_REGISTERS)
 
 
@@ -691,4 +811,10 @@ COMPILE_SPECS = [
     _race_spec("bf16", "fp32", Q_PROBS, 8, stats_chunks=4, block_method=True, mass_chunks=4),
     _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
                q_stats_chunks=4, block_method=True, mass_chunks=4),
+    _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False, features=True),
+    _race_spec("bf16", "fp32", Q_PROBS, 1, features=True),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, features=True),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, features=True),
+    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
+               q_stats_chunks=4, features=True, block_method=True, mass_chunks=4),
 ]

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import filters
-from ._launch import block_size, cdiv, interpreted, next_pow2, num_sms, scratch
-from ._tiles import exp2_scale, load_logits
+from ._launch import MAX_REGISTERS, block_size, cdiv, interpreted, next_pow2, num_sms, scratch
+from ._tiles import LOG2E, LOGPROBS_RAW, allowed_logits, exp2_scale, load_logits
 from .filters import filter_threshold
 
 
@@ -53,34 +53,47 @@ def _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale):
 
 
 @triton.jit
-def _stats_step(row_ptr, offs, end_v, scale, lane_max, lane_sum, lane_arg, lane_min, lane_count,
-                MASKED: tl.constexpr, TRACK_RANGE: tl.constexpr):
-    """One [LANES, R] tile of ``_stream_stats``."""
-    if MASKED:
-        x = load_logits(row_ptr, offs, offs < end_v)
-    else:
-        x = load_logits(row_ptr, offs, None)
-    tile_max = tl.max(x, axis=1)
-    tile_arg = tl.min(tl.where(x == tile_max[:, None], offs, 2147483647), axis=1)
+def _online_sum(lane_max, lane_sum, x, tile_max, scale):
+    """One tile of an online softmax sum per lane: the new running max and
+    ``sum(exp2((x - max) * scale))`` rescaled to it."""
     new_max = tl.maximum(lane_max, tile_max)
-    # Offsets increase along a lane, so a strict > keeps the lane's earliest arg-max.
-    lane_arg = tl.where(tile_max > lane_max, tile_arg, lane_arg)
     # Exponents are taken from a finite base (0 while the lane has seen no finite logit), so
     # a -inf logit gives exactly 0 without a per-logit test. An unchanged max rescales by
     # exactly 1; a lane leaving -inf rescales its sum 0 by 0.
     base = tl.where(new_max > float("-inf"), new_max, 0.0)
     rescale = tl.where(lane_max == new_max, 1.0, tl.exp2((lane_max - base) * scale))
-    lane_sum = lane_sum * rescale + tl.sum(tl.exp2((x - base[:, None]) * scale), axis=1)
+    return new_max, lane_sum * rescale + tl.sum(tl.exp2((x - base[:, None]) * scale), axis=1)
+
+
+@triton.jit
+def _stats_step(row_ptr, offs, end_v, scale, lane_max, lane_sum, lane_arg, lane_min, lane_count,
+                bm_row_ptr, lane_raw_max, lane_raw_sum, MASKED: tl.constexpr,
+                TRACK_RANGE: tl.constexpr, HAS_BITMASK: tl.constexpr, RAW: tl.constexpr):
+    """One [LANES, R] tile of ``_stream_stats``."""
+    if MASKED:
+        x = load_logits(row_ptr, offs, offs < end_v)
+    else:
+        x = load_logits(row_ptr, offs, None)
+    if RAW:  # the model's own row: T = 1, before the bitmask
+        lane_raw_max, lane_raw_sum = _online_sum(lane_raw_max, lane_raw_sum, x,
+                                                 tl.max(x, axis=1), LOG2E)
+    x = allowed_logits(x, offs, offs < end_v if MASKED else None, bm_row_ptr, HAS_BITMASK)
+    tile_max = tl.max(x, axis=1)
+    tile_arg = tl.min(tl.where(x == tile_max[:, None], offs, 2147483647), axis=1)
+    # Offsets increase along a lane, so a strict > keeps the lane's earliest arg-max.
+    lane_arg = tl.where(tile_max > lane_max, tile_arg, lane_arg)
+    new_max, lane_sum = _online_sum(lane_max, lane_sum, x, tile_max, scale)
     if TRACK_RANGE:
         finite = x > float("-inf")
         lane_min = tl.minimum(lane_min, tl.min(tl.where(finite, x, float("inf")), axis=1))
         lane_count += tl.sum(finite.to(tl.int32), axis=1)
-    return new_max, lane_sum, lane_arg, lane_min, lane_count
+    return new_max, lane_sum, lane_arg, lane_min, lane_count, lane_raw_max, lane_raw_sum
 
 
 @triton.jit
-def _stream_stats(row_ptr, start_v, end_v, scale, TRACK_RANGE: tl.constexpr,
-                  BLOCK: tl.constexpr, R: tl.constexpr):
+def _stream_stats(row_ptr, start_v, end_v, scale, bm_row_ptr, TRACK_RANGE: tl.constexpr,
+                  BLOCK: tl.constexpr, R: tl.constexpr, HAS_BITMASK: tl.constexpr,
+                  RAW: tl.constexpr):
     """One streaming pass over tokens [start_v, end_v) of a row, in [BLOCK // R, R] tiles.
 
     Lane l of the tile keeps its own running max, online-softmax sum, earliest arg-max and
@@ -88,7 +101,9 @@ def _stream_stats(row_ptr, start_v, end_v, scale, TRACK_RANGE: tl.constexpr,
     iteration: one rescaling exp per R logits instead of one per logit, and an element-wise
     loop body (no CTA-wide reduction, no barrier). The lanes are merged once at the end.
     Full tiles load without a mask (so R logits are one vector load); only the last, partial
-    tile is masked.
+    tile is masked. HAS_BITMASK: the row's ``token_bitmask`` words are read with the logits
+    (tokens whose bit is cleared count as -inf). RAW: also the max and sum of the unmasked
+    row at T = 1 (raw logprobs), returned after the five statistics (else 0, 0).
     """
     LANES: tl.constexpr = BLOCK // R
     lane_max = tl.full([LANES], float("-inf"), tl.float32)
@@ -96,34 +111,46 @@ def _stream_stats(row_ptr, start_v, end_v, scale, TRACK_RANGE: tl.constexpr,
     lane_arg = tl.full([LANES], 2147483647, tl.int32)
     lane_min = tl.full([LANES], float("inf"), tl.float32)
     lane_count = tl.zeros([LANES], tl.int32)
+    lane_raw_max = tl.full([LANES], float("-inf"), tl.float32)
+    lane_raw_sum = tl.zeros([LANES], tl.float32)
     tile = tl.arange(0, LANES)[:, None] * R + tl.arange(0, R)[None, :]
     full_end = start_v + (end_v - start_v) // BLOCK * BLOCK
     for start in range(start_v, full_end, BLOCK):
-        lane_max, lane_sum, lane_arg, lane_min, lane_count = _stats_step(
-            row_ptr, start + tile, end_v, scale, lane_max, lane_sum, lane_arg, lane_min,
-            lane_count, False, TRACK_RANGE)
+        lane_max, lane_sum, lane_arg, lane_min, lane_count, lane_raw_max, lane_raw_sum = \
+            _stats_step(row_ptr, start + tile, end_v, scale, lane_max, lane_sum, lane_arg,
+                        lane_min, lane_count, bm_row_ptr, lane_raw_max, lane_raw_sum, False,
+                        TRACK_RANGE, HAS_BITMASK, RAW)
     if full_end < end_v:
-        lane_max, lane_sum, lane_arg, lane_min, lane_count = _stats_step(
-            row_ptr, full_end + tile, end_v, scale, lane_max, lane_sum, lane_arg, lane_min,
-            lane_count, True, TRACK_RANGE)
-    return _combine_stats(lane_max, lane_sum, lane_arg, lane_min, lane_count, scale)
+        lane_max, lane_sum, lane_arg, lane_min, lane_count, lane_raw_max, lane_raw_sum = \
+            _stats_step(row_ptr, full_end + tile, end_v, scale, lane_max, lane_sum, lane_arg,
+                        lane_min, lane_count, bm_row_ptr, lane_raw_max, lane_raw_sum, True,
+                        TRACK_RANGE, HAS_BITMASK, RAW)
+    x_max, total, best, x_min, num_finite = _combine_stats(lane_max, lane_sum, lane_arg,
+                                                           lane_min, lane_count, scale)
+    raw_max = tl.full([], 0.0, tl.float32)
+    raw_sum = tl.full([], 0.0, tl.float32)
+    if RAW:
+        raw_max, raw_sum, _ = _merge_max_sum(lane_raw_max, lane_raw_sum, lane_arg, LOG2E)
+    return x_max, total, best, x_min, num_finite, raw_max, raw_sum
 
 
 
 @triton.jit
 def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
-                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, cand_key_ptr, cand_e_ptr,
-                USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
+                temperature, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, argmax_ptr,
+                cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K: tl.constexpr,
+                USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
                 BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                CAP: tl.constexpr):
-    """Applies top-k then top-p to a row's merged statistics (``filter_threshold``) and stores
+                CAP: tl.constexpr, HAS_BITMASK: tl.constexpr):
+    """Applies top-k, min-p, then top-p to a row's merged statistics (``filter_threshold``) and stores
     ``(x_max, x_thr, norm)`` and the arg-max."""
     # A row with no finite logit: id 0, never emitted.
     best = tl.where(x_max > float("-inf"), best, 0)
     x_thr, norm = filter_threshold(row_ptr, r, req, V, x_max, total, x_min, num_finite, greedy,
-                                   scale, top_k_ptr, top_p_ptr, cand_key_ptr, cand_e_ptr,
-                                   USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S,
-                                   NUM_PIVOTS, CAP)
+                                   scale, temperature, top_k_ptr, top_p_ptr, min_p_ptr,
+                                   cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K, USE_TOP_P,
+                                   USE_MIN_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP,
+                                   HAS_BITMASK)
     tl.store(stats_ptr + r * 3 + 0, x_max)
     tl.store(stats_ptr + r * 3 + 1, x_thr)
     tl.store(stats_ptr + r * 3 + 2, norm)
@@ -131,48 +158,95 @@ def _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greed
 
 
 @triton.jit
-def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr):
+def packed_request(cu_ptr, req, num_packed, K):
+    """``(first draft, number of drafts)`` of request ``req`` in the packed layout
+    (``verify_chain_packed``: ``cu[req]`` and ``cu[req+1] - cu[req]``), read from
+    ``cu_num_draft_tokens`` itself. Clamped so that unvalidated offsets never address a row
+    out of range: the first draft to ``0..T``, the count to ``0..min(K, T - first)``. Its
+    first target row is ``first + req``."""
+    lo = tl.load(cu_ptr + req).to(tl.int64)
+    hi = tl.load(cu_ptr + req + 1).to(tl.int64)
+    first = tl.minimum(tl.maximum(lo, 0), num_packed)
+    count = tl.minimum(tl.minimum(tl.maximum(hi - lo, 0), K), num_packed - first)
+    return first, count.to(tl.int32)
+
+
+@triton.jit
+def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr,
+               bitmask_ptr, bitmask_words, cu_ptr, num_packed, live_extra,
+               PACKED: tl.constexpr):
     """Row ``r`` of the statistics: its request, the row's pointer, whether the request is
-    greedy and its ``exp2_scale``."""
+    greedy, its ``exp2_scale``, its temperature, its ``token_bitmask`` row (only read with
+    HAS_BITMASK) and whether it is live.
+
+    PACKED (``verify_chain_packed``): statistics row ``r = req * rows_per_req + j`` is row
+    ``first + req * live_extra + j`` of the packed rows (``packed_request``), live while
+    ``j < n + live_extra`` (``live_extra`` 1 for target rows: the drafts, then the bonus row;
+    0 for draft rows); the bitmask rows are the packed rows. Dead rows (the padding of shorter
+    requests) stream nothing. Otherwise row ``r`` of ``[B, R, V]`` and of the bitmask
+    ``[B * R, W]``, always live."""
     req = r // rows_per_req
-    row_ptr = (logits_ptr + req.to(tl.int64) * stride_req
-               + (r % rows_per_req).to(tl.int64) * stride_row)
+    j = r % rows_per_req
+    if PACKED:
+        first, count = packed_request(cu_ptr, req, num_packed, rows_per_req - live_extra)
+        row = first + req * live_extra + j
+        row_ptr = logits_ptr + row * stride_row
+        live = j < count + live_extra
+    else:
+        row = r.to(tl.int64)
+        row_ptr = logits_ptr + req.to(tl.int64) * stride_req + j.to(tl.int64) * stride_row
+        live = j >= 0
     temperature = tl.load(temperature_ptr + req)
-    return req, row_ptr, temperature == 0.0, exp2_scale(temperature)
+    return (req, row_ptr, temperature == 0.0, exp2_scale(temperature), temperature,
+            bitmask_ptr + row * bitmask_words, live)
 
 
 @triton.jit
 def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                       temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
-                      part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V, chunk_size,
+                      part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V, min_p_ptr,
+                      bitmask_ptr, bitmask_words, raw_ptr, cu_ptr, num_packed, live_extra,
+                      chunk_size,
                       USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
                       NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
                       BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                      CAP: tl.constexpr):
+                      CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
+                      HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False,
+                      PACKED: tl.constexpr = False):
     """Per-row statistics of the processed distribution; grid (rows, NUM_CHUNKS), program
     (r, c) streams tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of row r.
 
-    NUM_CHUNKS == 1: the program finishes its row (top-k/top-p and the stores). Otherwise it
+    NUM_CHUNKS == 1: the program finishes its row (top-k/min-p/top-p and the stores). Otherwise it
     writes its chunk's partial statistics and ``_row_stats_finish_kernel`` merges them: a
     row split over programs keeps every SM busy when B * (K + 1) rows are fewer than SMs.
 
     Bytes: reads V * elem_size once per row; writes 16 B per row (3 float32 + 1 int32), or
     20 B of partials per program; plus V * elem_size per pivot pass for a row whose top-k or
     top-p is active (~log_9(key span) passes each, <= 6 for bf16, <= 11 for fp32); rows with
-    the filters off (and greedy rows) do no pass beyond the first.
+    the filters off (and greedy rows) do no pass beyond the first; one pass for a row whose
+    min-p is active (over top-k's candidates when it has them). HAS_BITMASK: V / 8 B more of
+    ``token_bitmask`` words per pass. RAW (raw logprobs): 8 B more per row or program (the
+    T = 1 max and sum of the unmasked row, to ``raw_ptr``: ``[rows, 2]`` finished, then the
+    ``[rows, NUM_CHUNKS, 2]`` partials).
     """
     r = tl.program_id(0)
     chunk = tl.program_id(1)
-    req, row_ptr, greedy, scale = _stats_row(r, logits_ptr, stride_req, stride_row,
-                                             rows_per_req, temperature_ptr)
+    req, row_ptr, greedy, scale, temperature, bm_row_ptr, live = _stats_row(
+        r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr, bitmask_ptr,
+        bitmask_words, cu_ptr, num_packed, live_extra, PACKED)
     start_v = chunk * chunk_size
-    end_v = tl.minimum(start_v + chunk_size, V)
-    x_max, total, best, x_min, num_finite = _stream_stats(
-        row_ptr, start_v, end_v, scale, USE_TOP_K or USE_TOP_P, BLOCK, R)
+    end_v = tl.where(live, tl.minimum(start_v + chunk_size, V), start_v)
+    x_max, total, best, x_min, num_finite, raw_max, raw_sum = _stream_stats(
+        row_ptr, start_v, end_v, scale, bm_row_ptr, USE_TOP_K or USE_TOP_P or USE_MIN_P, BLOCK,
+        R, HAS_BITMASK, RAW)
     if NUM_CHUNKS == 1:
         _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
-                    top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, cand_key_ptr, cand_e_ptr,
-                    USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
+                    temperature, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, argmax_ptr,
+                    cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K, USE_TOP_P, USE_MIN_P,
+                    KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
+        if RAW:
+            tl.store(raw_ptr + r * 2 + 0, raw_max)
+            tl.store(raw_ptr + r * 2 + 1, raw_sum)
     else:
         part = r * NUM_CHUNKS + chunk
         tl.store(part_f_ptr + part * 3 + 0, x_max)
@@ -180,23 +254,32 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         tl.store(part_f_ptr + part * 3 + 2, x_min)
         tl.store(part_i_ptr + part * 2 + 0, best)
         tl.store(part_i_ptr + part * 2 + 1, num_finite)
+        if RAW:  # the partials after the finished rows, merged by the finish kernel
+            raw_parts = raw_ptr + tl.num_programs(0).to(tl.int64) * 2
+            tl.store(raw_parts + part * 2 + 0, raw_max)
+            tl.store(raw_parts + part * 2 + 1, raw_sum)
 
 
 @triton.jit
 def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                              temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                              part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V,
+                             min_p_ptr, bitmask_ptr, bitmask_words, raw_ptr, cu_ptr,
+                             num_packed, live_extra,
                              USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
                              KEY_SHIFT: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                              CHUNKS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
                              UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                             CAP: tl.constexpr):
+                             CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
+                             HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False,
+                             PACKED: tl.constexpr = False):
     """Merges the NUM_CHUNKS partial statistics of one row (grid rows), then finishes it as
     ``_row_stats_kernel`` does. Bytes: reads 20 B per chunk (plus the pivot passes of rows
     whose filters are active), writes 16 B."""
     r = tl.program_id(0)
-    req, row_ptr, greedy, scale = _stats_row(r, logits_ptr, stride_req, stride_row,
-                                             rows_per_req, temperature_ptr)
+    req, row_ptr, greedy, scale, temperature, bm_row_ptr, live = _stats_row(
+        r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr, bitmask_ptr,
+        bitmask_words, cu_ptr, num_packed, live_extra, PACKED)
     chunks = tl.arange(0, CHUNKS_P2)
     valid = chunks < NUM_CHUNKS
     part = r * NUM_CHUNKS + chunks
@@ -207,8 +290,29 @@ def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
         tl.load(part_f_ptr + part * 3 + 2, mask=valid, other=float("inf")),
         tl.load(part_i_ptr + part * 2 + 1, mask=valid, other=0), scale)
     _finish_row(row_ptr, r, req, V, x_max, total, best, x_min, num_finite, greedy, scale,
-                top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr, cand_key_ptr, cand_e_ptr,
-                USE_TOP_K, USE_TOP_P, KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP)
+                temperature, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, argmax_ptr,
+                cand_key_ptr, cand_e_ptr, bm_row_ptr, USE_TOP_K, USE_TOP_P, USE_MIN_P,
+                KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
+    if RAW:
+        raw_parts = raw_ptr + tl.num_programs(0).to(tl.int64) * 2
+        raw_max, raw_sum, _ = _merge_max_sum(
+            tl.load(raw_parts + part * 2 + 0, mask=valid, other=float("-inf")),
+            tl.load(raw_parts + part * 2 + 1, mask=valid, other=0.0), chunks, LOG2E)
+        tl.store(raw_ptr + r * 2 + 0, raw_max)
+        tl.store(raw_ptr + r * 2 + 1, raw_sum)
+
+
+@triton.jit
+def load_raw_stats(raw_ptr, row, mask, LOGPROBS: tl.constexpr):
+    """``(max, log(sum(exp(x - max))))`` of statistics row ``row`` at T = 1 without filters or
+    bitmask (``row_stats(raw=True)``); only read when LOGPROBS is raw (else 0, 0)."""
+    if LOGPROBS == LOGPROBS_RAW:
+        raw_max = tl.load(raw_ptr + row * 2 + 0, mask=mask, other=0.0)
+        raw_log_sum = tl.log(tl.load(raw_ptr + row * 2 + 1, mask=mask, other=1.0))
+    else:
+        raw_max = tl.full([], 0.0, tl.float32)
+        raw_log_sum = tl.full([], 0.0, tl.float32)
+    return raw_max, raw_log_sum
 
 
 @triton.jit
@@ -280,11 +384,33 @@ def stats_chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int,
     return chunk, cdiv(vocab, chunk), block
 
 
+class PackedRows(NamedTuple):
+    """Statistics rows read in place from the packed layout (``verify_chain_packed``, see
+    ``_stats_row``): ``B * rows_per_req`` rows of ``[rows, V]`` found through
+    ``cu_num_draft_tokens``."""
+    cu_num_draft_tokens: torch.Tensor  # [B+1] int32/int64, on the device
+    num_packed: int                    # T
+    rows_per_req: int                  # K + 1 (target rows) or K (draft rows)
+    live_extra: int                    # 1: target rows (drafts and bonus); 0: draft rows
+
+
+def row_layout(logits: torch.Tensor, packed: PackedRows | None):
+    """``(B, rows per request, V, (request stride, row stride))`` of ``logits`` ``[B, R, V]``,
+    or of the packed rows ``[N, V]`` read through ``packed`` (request stride 0: the kernels
+    find each request's first row themselves)."""
+    if packed is None:
+        batch, rows_per_req, vocab = logits.shape
+        return batch, rows_per_req, vocab, (logits.stride(0), logits.stride(1))
+    return (packed.cu_num_draft_tokens.shape[0] - 1, packed.rows_per_req, logits.shape[-1],
+            (0, logits.stride(0)))
+
+
 class RowStats(NamedTuple):
     """What ``row_stats`` leaves for the kernels that consume it (``load_row_stats``)."""
     stats: torch.Tensor   # float32 [rows, 3] (x_max, x_thr, norm); partials: [rows, chunks, 3]
     argmax: torch.Tensor  # int32 [rows]; partials: [rows, chunks, 2] (arg-max, finite count)
     chunks: int           # 1: finished rows; > 1: unmerged partials (the STATS_CHUNKS constexpr)
+    raw: torch.Tensor | None = None  # float32 [rows, 2]: T = 1 (max, sum) with raw=True
 
     def constexprs(self, prefix: str = "") -> dict:
         """The consumer's constexprs (``Q_`` prefix: the draft logits' statistics)."""
@@ -292,16 +418,23 @@ class RowStats(NamedTuple):
                 f"{prefix}STATS_CHUNKS_P2": next_pow2(self.chunks)}
 
 
-def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False) -> RowStats:
+def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
+              bitmask: torch.Tensor | None = None, raw: bool = False,
+              packed: PackedRows | None = None) -> RowStats:
     """Launch ``_row_stats_kernel`` (and ``_row_stats_finish_kernel`` when rows are split)
     over the ``B * R`` rows of ``logits`` ``[B, R, V]`` (last dim contiguous, any strides
     otherwise), statistics row ``b * R + r``, request ``b``.
 
     ``merge_in_consumer``: when rows are split and no filter is on, the finish kernel would
     only merge the partials; skip its launch and return the partials, which the consuming
-    kernel merges as it reads a row (``load_row_stats``). Filtered rows are always finished
-    here (their threshold search runs in the finish kernel)."""
-    batch, rows_per_req, vocab = logits.shape
+    kernel merges as it reads a row (``load_row_stats``). Filtered rows (top-k, top-p, min-p)
+    are always finished here (their threshold search runs in the finish kernel).
+    ``bitmask``: int32 ``[B * R, W]`` ``token_bitmask`` rows (contiguous), read in the same
+    passes; None compiles it out. ``raw``: also the T = 1 statistics of the unmasked rows
+    (``RowStats.raw``, for raw logprobs; rows split are then finished here too).
+    ``packed``: ``logits`` are the packed rows ``[T + B, V]`` (or ``[T, V]`` of draft logits),
+    found through ``cu_num_draft_tokens``; the bitmask rows are the packed rows."""
+    batch, rows_per_req, vocab, strides = row_layout(logits, packed)
     rows = batch * rows_per_req
     device = logits.device
     if rows == 0:
@@ -315,7 +448,9 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False) 
         part_f, part_i = scratch(device, torch.float32), scratch(device, torch.int32)
     use_top_k = bool(params.uses_top_k) and not params.all_greedy
     use_top_p = bool(params.uses_top_p) and not params.all_greedy
-    finish = num_chunks > 1 and (use_top_k or use_top_p or not merge_in_consumer)
+    use_min_p = bool(params.uses_min_p) and not params.all_greedy
+    finish = num_chunks > 1 and (use_top_k or use_top_p or use_min_p or raw
+                                 or not merge_in_consumer)
     if num_chunks == 1 or finish:
         stats = torch.empty((rows, 3), dtype=torch.float32, device=device)
         argmax = torch.empty(rows, dtype=torch.int32, device=device)
@@ -329,24 +464,48 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False) 
         cand_key, cand_e = scratch(device, torch.int32), scratch(device, torch.float32)
     constexprs = dict(USE_TOP_K=use_top_k, USE_TOP_P=use_top_p,
                       KEY_SHIFT=filters.KEY_SHIFTS[logits.dtype], NUM_CHUNKS=num_chunks, CAP=cap)
-    args = (logits, logits.stride(0), logits.stride(1), rows_per_req, params.temperature,
-            params.top_k, params.top_p, stats, argmax, part_f, part_i, cand_key, cand_e, vocab)
+    args = (logits, *strides, rows_per_req, params.temperature,
+            params.top_k, params.top_p, stats, argmax, part_f, part_i, cand_key, cand_e, vocab,
+            params.min_p if use_min_p else scratch(device, torch.float32),
+            bitmask if bitmask is not None else scratch(device, torch.int32),
+            bitmask.shape[-1] if bitmask is not None else 0)
+    raw_stats = None
+    if raw:  # finished [rows, 2], then the [rows, chunks, 2] partials when split
+        raw_stats = torch.empty(rows * 2 * (1 + (num_chunks if num_chunks > 1 else 0)),
+                                dtype=torch.float32, device=device)
+        constexprs["RAW"] = True
+    args += (raw_stats if raw_stats is not None else scratch(device, torch.float32),
+             packed.cu_num_draft_tokens if packed is not None else scratch(device, torch.int32),
+             packed.num_packed if packed is not None else 0,
+             packed.live_extra if packed is not None else 0)
+    if packed is not None:
+        constexprs["PACKED"] = True
+    # Contract section 8's features, compiled in only when used (a plain call pays nothing).
+    if use_min_p:
+        constexprs["USE_MIN_P"] = True
+    if bitmask is not None:
+        constexprs["HAS_BITMASK"] = True
     options = dict(num_warps=1 if interpreted(device) else 8)
+    if (use_min_p or bitmask is not None or raw or packed is not None) and not interpreted(device):
+        # With every filter and feature compiled in, ptxas settles at 80 registers on sm_80
+        # and spills 40 B; bounded (as the race is) it takes 121 and spills nothing.
+        options["maxnreg"] = MAX_REGISTERS
     block_s, unroll_s, num_pivots = filters.search_config(vocab, device, options["num_warps"])
     _row_stats_kernel[(rows, num_chunks)](
         *args, chunk, BLOCK=block, R=STATS_R, BLOCK_S=block_s, UNROLL_S=unroll_s,
         NUM_PIVOTS=num_pivots, **options, **constexprs)
+    raw_rows = None if raw_stats is None else raw_stats[:rows * 2].view(rows, 2)
     if num_chunks == 1:
-        return RowStats(stats, argmax, 1)
+        return RowStats(stats, argmax, 1, raw_rows)
     if not finish:
         return RowStats(part_f, part_i, num_chunks)
-    if cap > 0 and not interpreted(device):
-        options = dict(num_warps=FINISH_SEARCH_WARPS)
+    if not interpreted(device):  # (no register bound: the finish kernel does not spill)
+        options = dict(num_warps=FINISH_SEARCH_WARPS if cap > 0 or use_min_p else 8)
     block_s, unroll_s, num_pivots = filters.search_config(vocab, device, options["num_warps"])
     _row_stats_finish_kernel[(rows,)](
         *args, CHUNKS_P2=next_pow2(num_chunks), BLOCK_S=block_s, UNROLL_S=unroll_s,
         NUM_PIVOTS=num_pivots, **options, **constexprs)
-    return RowStats(stats, argmax, 1)
+    return RowStats(stats, argmax, 1, raw_rows)
 
 
 # ----------------------------------------------------------------------------- compile registry
@@ -354,32 +513,43 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False) 
 _STATS_SIGNATURE = dict(
     stride_req="i32", stride_row="i32", rows_per_req="i32", temperature_ptr="*fp32",
     top_k_ptr="*i32", top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32",
-    part_f_ptr="*fp32", part_i_ptr="*i32", cand_key_ptr="*i32", cand_e_ptr="*fp32", V="i32")
+    part_f_ptr="*fp32", part_i_ptr="*i32", cand_key_ptr="*i32", cand_e_ptr="*fp32", V="i32",
+    min_p_ptr="*fp32", bitmask_ptr="*i32", bitmask_words="i32", raw_ptr="*fp32", cu_ptr="*i64",
+    num_packed="i32", live_extra="i32")
 
 
-def _stats_spec(dtype: str, key_shift: int, filtered: bool, chunks: int = 1) -> dict:
+def _features(on: bool) -> dict:
+    """Contract section 8-9's constexprs of a spec: all on, or all off (their defaults)."""
+    return dict(USE_MIN_P=on, HAS_BITMASK=on, RAW=on, PACKED=on)
+
+
+def _stats_spec(dtype: str, key_shift: int, filtered: bool, chunks: int = 1,
+                features: bool = False) -> dict:
     return dict(
         name=f"row_stats[{dtype}{',top_k+top_p' if filtered else ''}"
-             f"{',chunks=%d' % chunks if chunks > 1 else ''}]",
+             f"{',chunks=%d' % chunks if chunks > 1 else ''}"
+             f"{',min_p+bitmask+raw' if features else ''}]",
         kernel=_row_stats_kernel,
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE, chunk_size="i32"),
         constexprs=dict(USE_TOP_K=filtered, USE_TOP_P=filtered, KEY_SHIFT=key_shift,
                         NUM_CHUNKS=chunks, BLOCK=STATS_BLOCK, R=STATS_R, BLOCK_S=128,
                         UNROLL_S=filters.PIVOT_UNROLL, NUM_PIVOTS=filters.NUM_PIVOTS,
-                        CAP=filters.candidate_capacity(filtered)),
-        num_warps=8)
+                        CAP=filters.candidate_capacity(filtered), **_features(features)),
+        num_warps=8, **({"maxnreg": MAX_REGISTERS} if features else {}))
 
 
-def _stats_finish_spec(dtype: str, key_shift: int, filtered: bool, chunks: int) -> dict:
-    warps = FINISH_SEARCH_WARPS if filtered else 8
+def _stats_finish_spec(dtype: str, key_shift: int, filtered: bool, chunks: int,
+                       features: bool = False) -> dict:
+    warps = FINISH_SEARCH_WARPS if filtered or features else 8
     return dict(
-        name=f"row_stats_finish[{dtype}{',top_k+top_p' if filtered else ''},chunks={chunks}]",
+        name=f"row_stats_finish[{dtype}{',top_k+top_p' if filtered else ''},chunks={chunks}"
+             f"{',min_p+bitmask+raw' if features else ''}]",
         kernel=_row_stats_finish_kernel,
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE),
         constexprs=dict(USE_TOP_K=filtered, USE_TOP_P=filtered, KEY_SHIFT=key_shift,
                         NUM_CHUNKS=chunks, CHUNKS_P2=next_pow2(chunks), BLOCK_S=16 * warps,
                         UNROLL_S=filters.PIVOT_UNROLL, NUM_PIVOTS=filters.NUM_PIVOTS,
-                        CAP=filters.candidate_capacity(filtered)),
+                        CAP=filters.candidate_capacity(filtered), **_features(features)),
         num_warps=warps)
 
 
@@ -391,4 +561,8 @@ COMPILE_SPECS = [
     _stats_spec("bf16", 16, False, chunks=4), _stats_spec("bf16", 16, True, chunks=4),
     _stats_finish_spec("bf16", 16, False, 4), _stats_finish_spec("bf16", 16, True, 16),
     _stats_finish_spec("fp32", 0, True, 2), _stats_finish_spec("fp16", 13, True, 8),
+    _stats_spec("bf16", 16, True, features=True), _stats_spec("fp32", 0, False, features=True),
+    _stats_spec("bf16", 16, True, chunks=4, features=True),
+    _stats_finish_spec("bf16", 16, True, 16, features=True),
+    _stats_finish_spec("bf16", 16, False, 4, features=True),
 ]

@@ -38,9 +38,10 @@ from .. import _rng
 from . import _rng as trng
 from ._launch import (MAX_REGISTERS, block_size, last_dim_contiguous, launch_options, next_pow2,
                       scratch)
-from ._tiles import exp2_scale, load_logits, processed_prob, quad_offsets, tile_best
+from ._tiles import (LOGPROBS_KINDS, LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, exp2_scale,
+                     load_logits, processed_prob, quad_offsets, tile_best, token_logprob)
 from .race import rejection_weight, sequence_weight
-from .stats import load_row_stats, row_stats
+from .stats import load_raw_stats, load_row_stats, row_stats
 
 # Draft modes of the walk (the MODE constexpr): how a node's children were drawn.
 MODE_DETERMINISTIC = tl.constexpr(0)      # no draft_probs: deterministic candidates
@@ -92,11 +93,13 @@ def _wor_draft(q, gone, q_mass):
 
 @triton.jit
 def _final_weight(row_ptr, q_row_ptr, offs, mask, x_max, x_thr, norm, scale, steps, masses,
-                  q_masses, tokens, applied, idx, MODE: tl.constexpr):
+                  q_masses, tokens, applied, idx, bm_row_ptr, MODE: tl.constexpr,
+                  HAS_BITMASK: tl.constexpr):
     """The weight the final token is raced from at tokens ``offs`` (0 where masked): the
     current node's p with the rejected tokens removed (deterministic candidates) or the
     residual after ``steps`` rejections."""
-    weight = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm, scale)
+    x = allowed_logits(load_logits(row_ptr, offs, mask), offs, mask, bm_row_ptr, HAS_BITMASK)
+    weight = processed_prob(x, x_max, x_thr, norm, scale)
     if MODE == MODE_DETERMINISTIC:
         # O(steps) per element; a [BLOCK, N_P2] comparison would spill for large N.
         for j in range(0, steps):
@@ -113,10 +116,12 @@ def _final_weight(row_ptr, q_row_ptr, offs, mask, x_max, x_thr, norm, scale, ste
 def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                       q_ptr, stride_qb, stride_qn, ids_ptr, stride_ib, parents_ptr, stride_pb,
                       num_nodes_ptr, temperature_ptr, seed_ptr, offset_ptr,
-                      out_ptr, path_ptr, num_accepted_ptr, V, N,
+                      out_ptr, path_ptr, num_accepted_ptr, V, N, bitmask_ptr, bitmask_words,
+                      raw_ptr, logprobs_ptr,
                       MODE: tl.constexpr, N_P2: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK: tl.constexpr, STATS_CHUNKS: tl.constexpr,
-                      STATS_CHUNKS_P2: tl.constexpr):
+                      STATS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr = False,
+                      LOGPROBS: tl.constexpr = 0):
     """The walk and the final sample of one request (grid B).
 
     Bytes per request: per node, its parent and id (8-16 B); per tested child, 12 + 4 B of
@@ -126,6 +131,10 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     Writes 2 * N * 4 + 4 B. Compute: O(k) flops per element of a pass after k rejections at
     the node, one Philox-4x32-10 per four tokens of the final pass. Both kinds of pass keep
     per-lane accumulators (mass, winner) and reduce across lanes once after the loop.
+    HAS_BITMASK: every target logit read is masked by its node's ``token_bitmask`` word
+    (rows ``[B*N, W]``; 4 B per 32 logits read). LOGPROBS (processed, raw): ``logprobs``
+    like ``out``, an accepted node's at its parent's row, the final token's at the last
+    accepted node's row, from the values already gathered (raw: 8 B of T = 1 statistics).
     """
     req = tl.program_id(0)
     req64 = req.to(tl.int64)
@@ -137,6 +146,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     num_nodes = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + req), 1), N)
     logits_req = logits_ptr + req64 * stride_lb
     q_req = q_ptr + req64 * stride_qb
+    bm_req = bitmask_ptr + req64 * N * bitmask_words
 
     idx = tl.arange(0, N_P2)
     # Per-rejection scalars at the current node (entry j: the j-th rejection).
@@ -147,6 +157,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     # The accepted path (root first) and its tokens.
     path = tl.where(idx == 0, 0, -1)
     out = tl.full([N_P2], -1, tl.int32)
+    logprobs = tl.full([N_P2], float("nan"), tl.float32)
 
     current = tl.full([], 0, tl.int32)
     depth = tl.full([], 0, tl.int32)
@@ -167,7 +178,10 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                                                     tested, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
         row_ptr = logits_req + current.to(tl.int64) * stride_ln
         q_row_ptr = q_req + current.to(tl.int64) * stride_qn
-        p_x = processed_prob(load_logits(row_ptr, token, tested), x_max, x_thr, norm, scale)
+        bm_row_ptr = bm_req + current.to(tl.int64) * bitmask_words
+        x_token = allowed_logits(load_logits(row_ptr, token, tested), token, tested, bm_row_ptr,
+                                 HAS_BITMASK)
+        p_x = processed_prob(x_token, x_max, x_thr, norm, scale)
         if MODE == MODE_DETERMINISTIC:
             gone = tl.max(((tokens == token) & (idx < steps)).to(tl.int32), axis=0) != 0
             p_token = tl.where(gone, 0.0, p_x)
@@ -202,8 +216,9 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                 for start in range(0, V, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
                     mask = offs < V
-                    pv = processed_prob(load_logits(row_ptr, offs, mask), x_max, x_thr, norm,
-                                        scale)
+                    xv = allowed_logits(load_logits(row_ptr, offs, mask), offs, mask,
+                                        bm_row_ptr, HAS_BITMASK)
+                    pv = processed_prob(xv, x_max, x_thr, norm, scale)
                     qv = tl.load(q_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                     rv, gone_v = _residual(pv, qv, offs, steps, masses, q_masses, tokens,
                                            applied, idx, MODE == MODE_WITHOUT_REPLACEMENT)
@@ -221,6 +236,11 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
             p_mass = tl.where(rejected & (has_mass != 0), new_mass, p_mass)
             if MODE == MODE_WITHOUT_REPLACEMENT:
                 q_mass = tl.where(rejected, q_mass - tl.where(gone, 0.0, q_x), q_mass)
+        if LOGPROBS != LOGPROBS_NONE:  # at the parent's (current) row, before the move
+            raw_max, raw_log_sum = load_raw_stats(raw_ptr, req * N + current, tested, LOGPROBS)
+            logprobs = tl.where(accept & (idx == depth), token_logprob(
+                x_token, x_max, x_thr, norm, scale, greedy, raw_max, raw_log_sum, token,
+                LOGPROBS), logprobs)
         tokens = tl.where(rejected & (idx == steps), token, tokens)
         steps = tl.where(rejected, steps + 1, steps)
 
@@ -239,6 +259,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                                                 STATS_CHUNKS_P2)
     row_ptr = logits_req + current.to(tl.int64) * stride_ln
     q_row_ptr = q_req + current.to(tl.int64) * stride_qn
+    bm_row_ptr = bm_req + current.to(tl.int64) * bitmask_words
     # The two-level race (see _rng): first the groups of GROUP tokens by their mass of the
     # final weights (per-lane sums, one reduction and one Philox per group), then the tokens
     # of the winning group. Greedy: the arg-max from the stats, no pass.
@@ -253,7 +274,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                 offs = start + tl.arange(0, BLOCK)
                 lane_mass += _final_weight(row_ptr, q_row_ptr, offs, offs < V, x_max, x_thr,
                                            norm, scale, steps, masses, q_masses, tokens,
-                                           applied, idx, MODE)
+                                           applied, idx, bm_row_ptr, MODE, HAS_BITMASK)
             group = group_start // GROUP
             mass = tl.sum(lane_mass, axis=0)  # NaN when a weight is
             has_nan = has_nan | (mass != mass)
@@ -271,7 +292,8 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
         for start in range(group_start, tl.minimum(group_start + GROUP, V), BLOCK):
             offs = quad_offsets(start, BLOCK // 4)
             weight = _final_weight(row_ptr, q_row_ptr, offs, offs < V, x_max, x_thr, norm,
-                                   scale, steps, masses, q_masses, tokens, applied, idx, MODE)
+                                   scale, steps, masses, q_masses, tokens, applied, idx,
+                                   bm_row_ptr, MODE, HAS_BITMASK)
             noise = trng.token_noise(seed, offset, current, trng.PURPOSE_RESAMPLE, start // 4,
                                      BLOCK // 4)
             score = tl.where(weight > 0.0, tl.math.div_rn(weight, noise), -1.0)
@@ -290,6 +312,14 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     tl.store(out_ptr + req64 * N + idx, out, mask=live)
     tl.store(path_ptr + req64 * N + idx, path, mask=live)
     tl.store(num_accepted_ptr + req, depth)
+    if LOGPROBS != LOGPROBS_NONE:  # one gathered logit: the token won, so it is allowed
+        emitted = final >= 0
+        raw_max, raw_log_sum = load_raw_stats(raw_ptr, req * N + current, emitted, LOGPROBS)
+        final_logprob = token_logprob(
+            load_logits(row_ptr, tl.maximum(final, 0), emitted), x_max, x_thr, norm, scale,
+            greedy, raw_max, raw_log_sum, final, LOGPROBS)
+        logprobs = tl.where(idx == depth, final_logprob, logprobs)
+        tl.store(logprobs_ptr + req64 * N + idx, logprobs, mask=live)
 
 
 @triton.jit
@@ -556,24 +586,42 @@ def _traversal_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
 def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
                 parents: torch.Tensor, draft_probs: torch.Tensor | None, draft_sampling: str,
                 num_nodes: torch.Tensor, params, seeds: torch.Tensor,
-                offsets: torch.Tensor, method: str = "token"
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                offsets: torch.Tensor, method: str = "token", *,
+                token_bitmask: torch.Tensor | None = None, return_logprobs: str | None = None):
     """Returns ``(output_token_ids [B, N] int32, accepted_nodes [B, N] int32,
-    num_accepted [B] int32)``; arguments parsed by the public layer (``num_nodes`` int32
-    ``[B]``, seeds/offsets int64 ``[B]``; ``method="traversal"`` needs ``draft_probs``). Two
-    launches (three when split rows are filtered: the statistics' finish kernel), no host
-    synchronisation."""
+    num_accepted [B] int32, logprobs)`` (float32 ``[B, N]`` with ``return_logprobs``, else
+    None); arguments parsed by the public layer (``num_nodes`` int32 ``[B]``, seeds/offsets
+    int64 ``[B]``, ``token_bitmask`` int32 ``[B, N, W]``; ``method="traversal"`` needs
+    ``draft_probs`` and takes neither ``token_bitmask`` nor ``return_logprobs`` yet:
+    NotImplementedError). Two launches (three when split rows are filtered: the statistics'
+    finish kernel), no host synchronisation."""
+    if method == "traversal":
+        for name, used in (("token_bitmask", token_bitmask is not None),
+                           ("return_logprobs", return_logprobs is not None)):
+            if used:
+                raise NotImplementedError(
+                    f"{name}: not in the Triton traversal kernel yet (method='traversal'); "
+                    f"use method='token' or backend='reference'")
     target_logits = last_dim_contiguous(target_logits)
     batch, nodes, vocab = target_logits.shape
     device = target_logits.device
     out = torch.empty((batch, nodes), dtype=torch.int32, device=device)
     path = torch.empty((batch, nodes), dtype=torch.int32, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
+    logprobs = None if return_logprobs is None else \
+        torch.empty((batch, nodes), dtype=torch.float32, device=device)
     if batch == 0:
-        return out, path, num_accepted
+        return out, path, num_accepted, logprobs
     ids = tree_token_ids if tree_token_ids.stride(-1) == 1 else tree_token_ids.contiguous()
     par = parents if parents.stride(-1) == 1 else parents.contiguous()
-    stats = row_stats(target_logits, params, merge_in_consumer=True)
+    bitmask = None if token_bitmask is None else \
+        token_bitmask.reshape(batch * nodes, -1).contiguous()
+    kind = LOGPROBS_KINDS[return_logprobs]
+    stats = row_stats(target_logits, params, merge_in_consumer=True, bitmask=bitmask,
+                      raw=kind == int(LOGPROBS_RAW))
+    features = {} if bitmask is None else {"HAS_BITMASK": True}  # compiled in only when used
+    if kind != int(LOGPROBS_NONE):
+        features["LOGPROBS"] = kind
     if draft_probs is None:
         mode, q, q_strides = MODE_DETERMINISTIC, scratch(device, torch.float32), (0, 0)
     else:
@@ -589,16 +637,20 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
             WOR=mode == MODE_WITHOUT_REPLACEMENT, N_P2=next_pow2(nodes), GROUP=_rng.RACE_GROUP,
             BLOCK=min(block_size(vocab, device, cap_gpu=WALK_BLOCK), _rng.RACE_GROUP),
             **stats.constexprs(), **launch_options(device, WALK_WARPS))
-        return out, path, num_accepted
+        return out, path, num_accepted, None
     _tree_walk_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), stats.stats,
         stats.argmax, q, q_strides[0], q_strides[1], ids, ids.stride(0), par, par.stride(0),
         num_nodes.to(torch.int32).contiguous(), params.temperature, seeds, offsets,
         out, path, num_accepted, vocab, nodes,
+        bitmask if bitmask is not None else scratch(device, torch.int32),
+        bitmask.shape[-1] if bitmask is not None else 0,
+        stats.raw if kind == int(LOGPROBS_RAW) else scratch(device, torch.float32),
+        logprobs if logprobs is not None else scratch(device, torch.float32),
         MODE=int(mode), N_P2=next_pow2(nodes), GROUP=_rng.RACE_GROUP,
         BLOCK=min(block_size(vocab, device, cap_gpu=WALK_BLOCK), _rng.RACE_GROUP),
-        **stats.constexprs(), **launch_options(device, WALK_WARPS))
-    return out, path, num_accepted
+        **stats.constexprs(), **features, **launch_options(device, WALK_WARPS))
+    return out, path, num_accepted, logprobs
 
 
 # Every kernel of this module at representative constexprs, for the compile-only resource
@@ -611,8 +663,14 @@ _WALK_SIGNATURE = {
     "ids_ptr": "*i64", "stride_ib": "i64", "parents_ptr": "*i64", "stride_pb": "i64",
     "num_nodes_ptr": "*i32", "temperature_ptr": "*fp32", "seed_ptr": "*i64",
     "offset_ptr": "*i64", "out_ptr": "*i32", "path_ptr": "*i32", "num_accepted_ptr": "*i32",
-    "V": "i32", "N": "i32",
+    "V": "i32", "N": "i32", "bitmask_ptr": "*i32", "bitmask_words": "i32", "raw_ptr": "*fp32",
+    "logprobs_ptr": "*fp32",
 }
+# The traversal kernel takes neither the bitmask nor logprobs (yet): the walk's arguments
+# without those.
+_TRAVERSAL_SIGNATURE = {name: kind for name, kind in _WALK_SIGNATURE.items()
+                        if name not in ("bitmask_ptr", "bitmask_words", "raw_ptr",
+                                        "logprobs_ptr")}
 # Vocabulary block and warps of the walk's row passes (one program per request, so a large
 # block: 4 logits per thread per iteration). With the race's register bound (maxnreg 128) it
 # compiles without spills on sm_80/sm_90 at 80-121 registers (python_tests/test_triton_compile.py);
@@ -621,21 +679,23 @@ WALK_BLOCK = 1024
 WALK_WARPS = 8
 
 COMPILE_SPECS = [
-    {"name": f"tree_walk_{mode_name}_n{n_p2}" + (f"_stats{stats_chunks}" if stats_chunks > 1 else ""),
+    {"name": f"tree_walk_{mode_name}_n{n_p2}" + (f"_stats{stats_chunks}" if stats_chunks > 1 else "")
+             + ("_bitmask_raw_logprobs" if features else ""),
      "fn": _tree_walk_kernel,
      "signature": _WALK_SIGNATURE,
      "constexprs": {"MODE": int(mode), "N_P2": n_p2, "GROUP": _rng.RACE_GROUP, "BLOCK": WALK_BLOCK,
-                    "STATS_CHUNKS": stats_chunks, "STATS_CHUNKS_P2": stats_chunks},
+                    "STATS_CHUNKS": stats_chunks, "STATS_CHUNKS_P2": stats_chunks,
+                    "HAS_BITMASK": features, "LOGPROBS": int(LOGPROBS_RAW) if features else 0},
      "num_warps": WALK_WARPS,
      "maxnreg": MAX_REGISTERS}
     for mode_name, mode in (("deterministic", MODE_DETERMINISTIC), ("iid", MODE_IID),
                             ("without_replacement", MODE_WITHOUT_REPLACEMENT))
-    for n_p2, stats_chunks in ((8, 4), (64, 1))
+    for n_p2, stats_chunks, features in ((8, 4, False), (64, 1, False), (64, 1, True))
 ]
 COMPILE_SPECS += [
     {"name": f"traversal_{mode_name}_n{n_p2}" + (f"_stats{stats_chunks}" if stats_chunks > 1 else ""),
      "fn": _traversal_kernel,
-     "signature": _WALK_SIGNATURE,
+     "signature": _TRAVERSAL_SIGNATURE,
      "constexprs": {"WOR": wor, "N_P2": n_p2, "GROUP": _rng.RACE_GROUP, "BLOCK": WALK_BLOCK,
                     "STATS_CHUNKS": stats_chunks, "STATS_CHUNKS_P2": stats_chunks},
      "num_warps": WALK_WARPS,
