@@ -222,7 +222,8 @@ def _draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, st
                  STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
                  Q_STATS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """Draft ``j`` (0-based) of request ``req``: ``(token, valid, p_j(d_j), q_j(d_j), x,
-    (x_max, x_thr, norm, argmax))``, ``valid`` when it is live and its id in ``[0, V)`` (else
+    x_max, x_thr, norm, argmax)`` (flat: Triton 3.6's dependency finder rejects nested
+    assignment targets), ``valid`` when it is live and its id in ``[0, V)`` (else
     token 0, nothing read through), ``x`` its allowed target logit (HAS_BITMASK: -inf, so
     ``p = 0``, where its bit is cleared; statistics row ``req * (K + 1) + j``). Reads the id,
     16 B of stats, one target logit (and its bitmask word) and one draft probability, or one
@@ -246,7 +247,7 @@ def _draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, st
                            q_max, q_thr, q_norm, scale)
     else:  # Q_ONE_HOT
         q = tl.full([], 1.0, tl.float32)
-    return token, valid, p, q, x, (x_max, x_thr, norm, argmax)
+    return token, valid, p, q, x, x_max, x_thr, norm, argmax
 
 
 @triton.jit
@@ -277,7 +278,7 @@ def _accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_pt
         j64 = tl.zeros([], tl.int64) + j  # the interpreter's loop index is a Python int
         # Loads do not wait for the previous draft's verdict (a few bytes more past the first
         # rejection, but one memory latency for the loop instead of one per draft).
-        token, valid, p, q, x, (x_max, x_thr, norm, argmax) = _draft_terms(
+        token, valid, p, q, x, x_max, x_thr, norm, argmax = _draft_terms(
             req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
             q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr,
             bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
@@ -331,7 +332,7 @@ def prefix_weight(req, count, num_draft_tokens, ids_row, logits_row, stride_row,
     live = tl.full([], 1, tl.int1)
     for i in range(0, count):
         i64 = tl.zeros([], tl.int64) + i
-        _, valid, p, q, _, _ = _draft_terms(
+        _, valid, p, q, _, _, _, _, _ = _draft_terms(
             req, i64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
             q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr,
             bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
@@ -367,7 +368,7 @@ def _block_accept(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr
     chunks = tl.arange(0, MASS_CHUNKS_P2)
     for j in range(0, K):
         j64 = tl.zeros([], tl.int64) + j
-        _, valid, p, q, _, _ = _draft_terms(
+        _, valid, p, q, _, _, _, _, _ = _draft_terms(
             req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
             q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr,
             bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
