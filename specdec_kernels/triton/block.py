@@ -28,7 +28,7 @@ import triton.language as tl
 from ._launch import (block_size, cdiv, interpreted, launch_options, next_pow2, num_sms,
                       scratch)
 from ._tiles import allowed_logits, exp2_scale, load_logits, processed_prob
-from .race import Q_LOGITS, Q_ONE_HOT, Q_PROBS, chain_rows, prefix_weight
+from .accept import Q_LOGITS, Q_ONE_HOT, Q_PROBS, chain_rows, prefix_weight
 from .stats import PackedRows, RowStats, load_row_stats, row_layout
 
 

@@ -9,7 +9,7 @@ Launches, all asynchronous (no host synchronisation, CUDA-graph capturable with 
    Split rows are merged by ``_row_stats_finish_kernel`` when filters are on (it runs their
    search); unfiltered rows, target and draft, are merged by the race as it reads them
    (``load_row_stats``), one launch less each.
-2. ``_race_kernel``: each program replays its request's acceptance loop (``_accept_drafts``:
+2. ``_race_kernel``: each program replays its request's acceptance loop (``accept_drafts``:
    one gathered logit, and one draft probability or draft logit, per draft tested), then
    runs the two-level race (``_rng``) over row ``num_accepted`` for the correction or bonus
    token; writes the accepted drafts, the token, ``-1`` padding and ``num_accepted``. Grid B
@@ -19,7 +19,7 @@ Launches, all asynchronous (no host synchronisation, CUDA-graph capturable with 
 
 ``method="block"`` (block verification, contract section 12) adds one launch between the two,
 ``block.residual_masses`` (the masses ``R_j``; its header counts the bytes), and the race
-replays block verification's acceptance from them (``race._block_accept``) and samples
+replays block verification's acceptance from them (``accept.block_accept``) and samples
 ``max(w_tau p - q, 0)``. With ``K <= 1`` or every request greedy, block verification gives
 the token rule's tokens, so those calls take the token path.
 
@@ -36,7 +36,8 @@ import torch
 from ._launch import last_dim_contiguous, scratch
 from ._tiles import LOGPROBS_KINDS, LOGPROBS_RAW
 from .block import residual_masses
-from .race import Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS, DraftInputs, race
+from .accept import Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS
+from .race import DraftInputs, race
 from .stats import PackedRows, row_stats
 
 

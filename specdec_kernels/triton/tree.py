@@ -40,7 +40,7 @@ from ._launch import (MAX_REGISTERS, block_size, last_dim_contiguous, launch_opt
                       scratch)
 from ._tiles import (LOGPROBS_KINDS, LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, exp2_scale,
                      load_logits, processed_prob, quad_offsets, tile_best, token_logprob)
-from .race import rejection_weight, sequence_weight
+from .accept import rejection_weight, sequence_weight
 from .stats import load_raw_stats, load_row_stats, row_stats
 
 # Draft modes of the walk (the MODE constexpr): how a node's children were drawn.
