@@ -45,18 +45,25 @@ def _triton_modules() -> list:
             for info in pkgutil.iter_modules(package.__path__)]
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
-def test_scalar_parameters_cost_only_the_output_allocations(monkeypatch):
-    """With scalar temperature/top-k/top-p and tensor seeds (an engine's steady state), a
-    Triton verify call dispatches no torch kernel at all: only allocations of its outputs and
-    small workspaces. A fill or cast here would be one more launch per decode step."""
+def _no_launches(monkeypatch) -> collections.Counter:
+    """Every @triton.jit kernel of the kernel layer replaced by a ``_NoLaunch``; returns the
+    launch counts."""
     launches = collections.Counter()
     for module in _triton_modules():
         for name, value in vars(module).items():
             defined_here = getattr(getattr(value, "fn", None), "__module__", None) == module.__name__
             if name.endswith("_kernel") and defined_here:  # a @triton.jit kernel of this module
                 monkeypatch.setattr(module, name, _NoLaunch(launches, name))
+    return launches
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+def test_scalar_parameters_cost_only_the_output_allocations(monkeypatch):
+    """With scalar temperature/top-k/top-p and tensor seeds (an engine's steady state), a
+    Triton verify call dispatches no torch kernel at all: only allocations of its outputs and
+    small workspaces. A fill or cast here would be one more launch per decode step."""
+    launches = _no_launches(monkeypatch)
     batch, num_drafts, vocab = 8, 3, 50
     logits = torch.randn(batch, num_drafts + 1, vocab).bfloat16()
     draft_ids = torch.randint(0, vocab, (batch, num_drafts), dtype=torch.int32)
@@ -71,6 +78,30 @@ def test_scalar_parameters_cost_only_the_output_allocations(monkeypatch):
     assert set(counted.ops) <= {"aten.empty.memory_format"}, dict(counted.ops)
     assert counted.ops["aten.empty.memory_format"] <= 6
     assert launches == {"_row_stats_kernel": 1, "_race_kernel": 1}  # the race accepts too
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("method,walk", [("token", "_tree_walk_kernel"),
+                                         ("traversal", "_traversal_kernel")])
+def test_tree_walks_cost_only_the_output_allocations(monkeypatch, method, walk):
+    """Both tree walks (``triton/tree.py``, ``triton/traversal.py``): the statistics and the
+    walk, one launch each, and no torch kernel besides allocations."""
+    launches = _no_launches(monkeypatch)
+    batch, nodes, vocab = 4, 5, 40
+    logits = torch.randn(batch, nodes, vocab)
+    ids = torch.randint(0, vocab, (batch, nodes))
+    parents = torch.tensor([-1, 0, 0, 1, 1]).expand(batch, -1).contiguous()
+    probs = torch.softmax(torch.randn(batch, nodes, vocab), -1)
+    kwargs = dict(draft_probs=probs, temperature=0.8, seed=torch.arange(batch),
+                  offset=torch.zeros(batch, dtype=torch.int64), method=method,
+                  backend="triton", validate=False)
+    sk.verify_tree(logits, ids, parents, **kwargs)  # fills the broadcast cache
+    launches.clear()
+    with _CountOps() as counted:
+        sk.verify_tree(logits, ids, parents, **kwargs)
+    assert set(counted.ops) <= {"aten.empty.memory_format"}, dict(counted.ops)
+    assert launches == {"_row_stats_kernel": 1, walk: 1}
 
 
 def test_broadcast_scalars_are_cached_and_bounded():

@@ -73,3 +73,22 @@ def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         with _SCRATCH_LOCK:
             cached = _SCRATCH.setdefault(key, torch.empty(1, dtype=dtype, device=device))
     return cached
+
+
+def row_chunks(rows: int, vocab: int, device: torch.device, *, cap_gpu: int,
+               programs_per_sm: int, max_chunks: int, override: int | None = None
+               ) -> tuple[int, int, int]:
+    """(chunk_size, num_chunks, BLOCK) of a pass over ``rows`` rows of ``vocab``: each row split
+    until there are about ``programs_per_sm`` programs per SM, at most ``max_chunks`` (a
+    shape-only choice, so no synchronisation); one chunk in the interpreter. ``override``
+    (tests): that chunk size, with a block no larger."""
+    block = block_size(vocab, device, cap_gpu=cap_gpu)
+    if override is not None:
+        block = min(block, max(16, next_pow2(override)))
+        chunk = override
+    elif interpreted(device):
+        chunk = vocab
+    else:
+        chunk = cdiv(vocab, min(cdiv(programs_per_sm * num_sms(device), rows), max_chunks))
+    chunk = cdiv(max(chunk, block), block) * block
+    return chunk, cdiv(vocab, chunk), block

@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (block_size, cdiv, interpreted, launch_options, next_pow2, num_sms,
-                      scratch)
+from ._launch import launch_options, row_chunks, scratch
 from ._tiles import allowed_logits, exp2_scale, load_logits, processed_prob
 from .accept import Q_LOGITS, Q_ONE_HOT, Q_PROBS, chain_rows, prefix_weight
 from .stats import PackedRows, RowStats, load_row_stats, row_layout
@@ -110,18 +109,9 @@ MAX_MASS_CHUNKS = 16
 
 
 def mass_chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
-    """(chunk_size, num_chunks, BLOCK): rows split until about 4 programs per SM (a
-    shape-only choice, so no synchronisation); one chunk in the interpreter."""
-    block = block_size(vocab, device, cap_gpu=MASS_BLOCK)
-    if MASS_CHUNK_OVERRIDE is not None:
-        block = min(block, max(16, next_pow2(MASS_CHUNK_OVERRIDE)))
-        chunk = MASS_CHUNK_OVERRIDE
-    elif interpreted(device):
-        chunk = vocab
-    else:
-        chunk = cdiv(vocab, min(cdiv(4 * num_sms(device), rows), MAX_MASS_CHUNKS))
-    chunk = cdiv(max(chunk, block), block) * block
-    return chunk, cdiv(vocab, chunk), block
+    """(chunk_size, num_chunks, BLOCK): rows split until about 4 programs per SM."""
+    return row_chunks(rows, vocab, device, cap_gpu=MASS_BLOCK, programs_per_sm=4,
+                      max_chunks=MAX_MASS_CHUNKS, override=MASS_CHUNK_OVERRIDE)
 
 
 def residual_masses(target_logits: torch.Tensor, stats: RowStats, drafts, params,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import filters
-from ._launch import MAX_REGISTERS, block_size, cdiv, interpreted, next_pow2, num_sms, scratch
+from ._launch import MAX_REGISTERS, interpreted, next_pow2, row_chunks, scratch
 from ._tiles import LOG2E, LOGPROBS_RAW, allowed_logits, exp2_scale, load_logits
 from .filters import filter_threshold
 
@@ -370,18 +370,10 @@ STATS_CHUNK_OVERRIDE: int | None = None
 
 
 def stats_chunks(rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
-    """(chunk_size, num_chunks, BLOCK) of the statistics pass: rows split over programs until
-    there are about 8 programs per SM (a shape-only choice, so no synchronisation)."""
-    block = block_size(vocab, device, cap_gpu=STATS_BLOCK)
-    if STATS_CHUNK_OVERRIDE is not None:
-        block = min(block, max(16, next_pow2(STATS_CHUNK_OVERRIDE)))
-        chunk = STATS_CHUNK_OVERRIDE
-    elif interpreted(device):
-        chunk = vocab
-    else:
-        chunk = cdiv(vocab, min(cdiv(8 * num_sms(device), rows), MAX_STATS_CHUNKS))
-    chunk = cdiv(max(chunk, block), block) * block
-    return chunk, cdiv(vocab, chunk), block
+    """(chunk_size, num_chunks, BLOCK) of the statistics pass: rows split until there are
+    about 8 programs per SM."""
+    return row_chunks(rows, vocab, device, cap_gpu=STATS_BLOCK, programs_per_sm=8,
+                      max_chunks=MAX_STATS_CHUNKS, override=STATS_CHUNK_OVERRIDE)
 
 
 class PackedRows(NamedTuple):
