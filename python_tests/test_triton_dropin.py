@@ -12,6 +12,7 @@ import torch
 import specdec_kernels as sk
 from conftest import mixed_params, spy_launches
 from test_dropin import bitmask_of, packed_problem
+from test_triton_tree import random_trees
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -231,13 +232,27 @@ def test_block_with_bitmask_and_logprobs_matches_reference(mode):
     assert bool(((bits == 0) & live).any())
 
 
-def test_traversal_with_features_raises_on_triton():
-    vocab = 37
-    target = _to(torch.randn(1, 3, vocab))
-    tokens, parents = _to(torch.tensor([[-1, 1, 2]])), _to(torch.tensor([[-1, 0, 0]]))
-    q = _to(torch.full((1, 3, vocab), 1.0 / vocab))
-    allowed = _to(bitmask_of(torch.ones(1, 3, vocab, dtype=torch.bool)))
-    for kw in (dict(token_bitmask=allowed), dict(return_logprobs="processed")):
-        with pytest.raises(NotImplementedError, match="traversal"):
-            sk.verify_tree(target, tokens, parents, draft_probs=q, method="traversal",
-                           temperature=1.0, backend="triton", **kw)
+@pytest.mark.parametrize("mode,use_mask,kind", [("iid", True, "processed"),
+                                                 ("without_replacement", True, "raw"),
+                                                 ("without_replacement", False, "processed")])
+def test_traversal_features_match_reference(mode, use_mask, kind):
+    """``method="traversal"`` on Triton takes ``token_bitmask`` and ``return_logprobs``: the
+    reference's tokens, paths and counts, logprobs within float32 rounding, with drafts masked
+    out on their parent's row, rejections (row passes under the mask) and accepted paths."""
+    gen = torch.Generator().manual_seed(34)
+    batch, nodes, vocab = 6, 7, 45
+    target, tokens, parents, q, num_nodes = random_trees(batch, nodes, vocab, mode, seed=35)
+    allowed = torch.rand(batch, nodes, vocab, generator=gen) < 0.7
+    params = _feature_params(batch, vocab, gen)
+    got, want = _both(sk.verify_tree, target_logits=target, tree_token_ids=tokens,
+                      parents=parents, draft_probs=q, draft_sampling=mode, num_nodes=num_nodes,
+                      method="traversal", token_bitmask=bitmask_of(allowed) if use_mask else None,
+                      return_logprobs=kind, seed=torch.arange(batch) + 9, offset=2, **params)
+    _assert_same(got, want)
+    assert int(want.num_accepted.sum()) > 0
+    assert bool(want.logprobs[want.output_token_ids >= 0].isfinite().all())
+    if use_mask:  # some real node's token is masked out on its parent's row
+        live = (torch.arange(nodes) > 0) & (torch.arange(nodes) < num_nodes[:, None])
+        bit = allowed.gather(1, parents.clamp(min=0)[..., None].expand(-1, -1, vocab)).gather(
+            2, tokens.clamp(min=0)[..., None])[..., 0]
+        assert bool((live & ~bit).any())

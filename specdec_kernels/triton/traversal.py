@@ -14,9 +14,10 @@ import triton.language as tl
 from .. import _rng
 from . import _rng as trng
 from ._launch import MAX_REGISTERS
-from ._tiles import allowed_logits, load_logits, processed_prob
+from ._tiles import (LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, load_logits, processed_prob,
+                     token_logprob)
 from .accept import rejection_weight, sequence_weight
-from .stats import load_row_stats
+from .stats import load_raw_stats, load_row_stats
 from .tree_common import (MODE_IID, MODE_WITHOUT_REPLACEMENT, WALK_BLOCK, WALK_SIGNATURE,
                           WALK_WARPS, emit_final, node_residual, node_rows, pick,
                           race_final_token, rejection_mass, request_inputs, wor_draft)
@@ -48,6 +49,12 @@ def _traversal_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
     one draft probability; per rejection V * (elem + q_elem); for the final token one target
     and one draft row (the draft row only after rejections there). Writes 2 N * 4 + 4 B.
     Compute: O(events) per element of a pass (the replay), O(N^2) register work for the links.
+    HAS_BITMASK: every target logit read is masked by its row's ``token_bitmask`` word, in the
+    same reads (4 B per 32 logits). LOGPROBS (processed, raw): ``logprobs`` like ``out``, an
+    accepted node's at its parent's row, the final token's at the accepted node's row: per
+    emitted token its row's statistics and one logit gathered again after the walk (raw: 8 B
+    of T = 1 statistics; an accepted token is allowed, so no bitmask word). Kept out of the
+    walk's registers: a per-node vector there spills under Triton 3.8.
     """
     req, temperature, scale, seed, offset, num_nodes, logits_req, q_req, bm_req = \
         request_inputs(temperature_ptr, seed_ptr, offset_ptr, num_nodes_ptr, logits_ptr,
@@ -186,6 +193,18 @@ def _traversal_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
         level = depth - k
         path = tl.where((level >= 0) & (idx == level), node, path)
         out = tl.where((level >= 1) & (idx == level - 1), pick(tokens, idx, node), out)
+        if LOGPROBS != LOGPROBS_NONE:  # the node's token at its parent's row, gathered again
+            held = level >= 1
+            row = pick(parents, idx, node)
+            token = pick(tokens, idx, node)
+            x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * N + row,
+                                                        held, scale, STATS_CHUNKS,
+                                                        STATS_CHUNKS_P2)
+            raw_max, raw_log_sum = load_raw_stats(raw_ptr, req * N + row, held, LOGPROBS)
+            x_token = load_logits(logits_req + row.to(tl.int64) * stride_ln, token, held)
+            logprobs = tl.where(held & (idx == level - 1), token_logprob(
+                x_token, x_max, x_thr, norm, scale, greedy, raw_max, raw_log_sum, token,
+                LOGPROBS), logprobs)
         node = tl.where(node > 0, pick(parents, idx, node), 0)
 
     # The final token: a race over the accepted node's current distribution.
@@ -212,14 +231,16 @@ def launch(batch: int, args: tuple, constexprs: dict) -> None:
 # The kernel at representative constexprs, for the compile-only resource report
 # (``bench/resources.py``): registers grow with N_P2 (links, per-node state, events).
 COMPILE_SPECS = [
-    {"name": f"traversal_{mode_name}_n{n_p2}" + (f"_stats{stats_chunks}" if stats_chunks > 1 else ""),
+    {"name": f"traversal_{mode_name}_n{n_p2}" + (f"_stats{stats_chunks}" if stats_chunks > 1 else "")
+             + ("_bitmask_raw_logprobs" if features else ""),
      "fn": _traversal_kernel,
      "signature": WALK_SIGNATURE,
      "constexprs": {"MODE": int(mode), "N_P2": n_p2, "GROUP": _rng.RACE_GROUP,
                     "BLOCK": WALK_BLOCK, "STATS_CHUNKS": stats_chunks,
-                    "STATS_CHUNKS_P2": stats_chunks, "HAS_BITMASK": False, "LOGPROBS": 0},
+                    "STATS_CHUNKS_P2": stats_chunks, "HAS_BITMASK": features,
+                    "LOGPROBS": int(LOGPROBS_RAW) if features else 0},
      "num_warps": WALK_WARPS,
      "maxnreg": MAX_REGISTERS}
     for mode_name, mode in (("iid", MODE_IID), ("without_replacement", MODE_WITHOUT_REPLACEMENT))
-    for n_p2, stats_chunks in ((8, 4), (64, 1))
+    for n_p2, stats_chunks, features in ((8, 4, False), (64, 1, False), (64, 1, True))
 ]

@@ -190,16 +190,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor,
     num_accepted [B] int32, logprobs)`` (float32 ``[B, N]`` with ``return_logprobs``, else
     None); arguments parsed by the public layer (``num_nodes`` int32 ``[B]``, seeds/offsets
     int64 ``[B]``, ``token_bitmask`` int32 ``[B, N, W]``; ``method="traversal"`` needs
-    ``draft_probs`` and takes neither ``token_bitmask`` nor ``return_logprobs`` yet:
-    NotImplementedError). Two launches (three when split rows are filtered: the statistics'
+    ``draft_probs``). Two launches (three when split rows are filtered: the statistics'
     finish kernel), no host synchronisation."""
-    if method == "traversal":
-        for name, used in (("token_bitmask", token_bitmask is not None),
-                           ("return_logprobs", return_logprobs is not None)):
-            if used:
-                raise NotImplementedError(
-                    f"{name}: not in the Triton traversal kernel yet (method='traversal'); "
-                    f"use method='token' or backend='reference'")
     target_logits = last_dim_contiguous(target_logits)
     batch, nodes, vocab = target_logits.shape
     device = target_logits.device
