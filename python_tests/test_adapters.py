@@ -186,6 +186,28 @@ def test_flashinfer_bad_input_names_the_argument():
         assert accepted.tolist() == [3] and emitted.tolist() == [4], "a rejected call wrote"
 
 
+def test_flashinfer_rejected_call_advances_no_generator():
+    """Seeds are drawn (from ``generator`` or torch's) only once the op has checked the call:
+    one rejected with ValueError leaves both generators as they were; a valid call then
+    draws the seeds it drew before."""
+    draft, ids, target = FLASHINFER_EXAMPLE.values()
+    bad_ids = torch.tensor([[2, 9]], dtype=torch.int32)  # 9 is outside V = 4
+    generator = torch.Generator().manual_seed(1)
+    state, default = generator.get_state(), torch.get_rng_state()
+    for kwargs in (dict(generator=generator), {}):
+        with pytest.raises(ValueError, match="draft_token_ids"):
+            flashinfer.chain_speculative_sampling(draft, bad_ids, target, **kwargs)
+        with pytest.raises(ValueError, match="offset"):
+            flashinfer.chain_speculative_sampling(draft, ids, target, offset=2**64, **kwargs)
+    assert torch.equal(generator.get_state(), state), "a rejected call advanced the generator"
+    assert torch.equal(torch.get_rng_state(), default), "a rejected call advanced torch's"
+    drawn = torch.randint(-2**63, 2**63 - 1, (1,), generator=torch.Generator().manual_seed(1))
+    got = flashinfer.chain_speculative_sampling(draft, ids, target, generator=generator)
+    want = flashinfer.chain_speculative_sampling(draft, ids, target, seed=drawn)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(generator.get_state(), state)
+
+
 # --- SGLang ----------------------------------------------------------------------------------
 
 def _sglang_example():
@@ -614,6 +636,36 @@ def test_vllm_generators_seed_each_request_by_its_own():
     state = generator.get_state()
     vllm.rejection_sample(metadata, draft_probs, logits, sampling({0: generator}))
     assert not torch.equal(generator.get_state(), state), "the generator did not advance"
+
+
+def test_vllm_rejected_call_advances_no_generator():
+    """The requests' seeds are drawn (from their generators and torch's) only once the op has
+    checked the call: one rejected with ValueError leaves every generator as it was."""
+    metadata, logits, draft_probs = _vllm_problem([2, 1, 2], seed=7)  # V = 11
+    bad_ids = metadata.draft_token_ids.clone()
+    bad_ids[1] = 11
+    bad = vllm.SpecDecodeMetadata(bad_ids, metadata.num_draft_tokens,
+                                  metadata.cu_num_draft_tokens, metadata.target_logits_indices,
+                                  metadata.bonus_logits_indices)
+    generator = torch.Generator().manual_seed(5)
+    state, default = generator.get_state(), torch.get_rng_state()
+    sampling = lambda **kw: vllm.SamplingMetadata(
+        temperature=torch.ones(3), all_greedy=False, all_random=True, generators={1: generator},
+        **kw)
+    with pytest.raises(ValueError, match="draft_token_ids"):
+        vllm.rejection_sample(bad, draft_probs, logits, sampling())
+    with pytest.raises(ValueError, match="min_p"):
+        vllm.rejection_sample(metadata, draft_probs, logits, sampling(min_p=torch.full((3,), 2.0)))
+    with pytest.raises(ValueError, match="offset"):
+        vllm.rejection_sample(metadata, draft_probs, logits, sampling(), offset=2**64)
+    with pytest.raises(TypeError, match="generators"):
+        vllm.rejection_sample(metadata, draft_probs, logits, vllm.SamplingMetadata(
+            temperature=torch.ones(3), all_greedy=False, all_random=True,
+            generators={0: generator, 2: "not a generator"}))
+    assert torch.equal(generator.get_state(), state), "a rejected call advanced the generator"
+    assert torch.equal(torch.get_rng_state(), default), "a rejected call advanced torch's"
+    vllm.rejection_sample(metadata, draft_probs, logits, sampling())
+    assert not torch.equal(generator.get_state(), state)
 
 
 def test_vllm_permuted_batch_permutes_the_outputs():

@@ -325,12 +325,30 @@ def narrow_int32(values: torch.Tensor, low: int, high: int) -> torch.Tensor:
     return values.to(torch.int32)
 
 
+class DeferredSeeds:
+    """Seeds an adapter draws from an engine's ``torch.Generator`` objects, drawn only once
+    the op has checked every other argument (``seeds_and_offsets`` runs last), so that a
+    rejected call leaves the generators as they were. Calling it draws once (``draw()`` ->
+    ``[B]`` int64) and returns the same seeds on later calls."""
+
+    def __init__(self, draw):
+        self._draw, self._seeds = draw, None
+
+    def __call__(self) -> torch.Tensor:
+        if self._seeds is None:
+            self._seeds = self._draw()
+        return self._seeds
+
+
 def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` int64 seeds and offsets; ``seed=None`` draws one seed per request from torch's
-    default generator, so ``torch.manual_seed`` makes runs repeatable."""
+    default generator, so ``torch.manual_seed`` makes runs repeatable (a ``DeferredSeeds``
+    draws its own)."""
     # The offset first: a call rejected for its offset must not have advanced the generator.
     o = per_request(_as_int64(offset, "offset"), "offset", batch, device, torch.int64, 0)
+    if isinstance(seed, DeferredSeeds):
+        seed = seed()
     if seed is None:
         seed = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64).to(device)
     s = per_request(_as_int64(seed, "seed"), "seed", batch, device, torch.int64, 0)

@@ -121,10 +121,12 @@ def chain_speculative_sampling(
     check_counter(maybe_output_accepted_token_num, "maybe_output_accepted_token_num", batch, device)
     check_counter(maybe_output_emitted_draft_token_num, "maybe_output_emitted_draft_token_num",
                   batch, device)
-    seeds, offsets = _request_seeds(seed, offset, generator, batch, device)
+    seeds = _request_seeds(seed, generator, batch, device)
     target_logits = logits_from_probs(target_probs, "target_probs")
     out = verify_chain(target_logits, draft_token_ids, draft_probs=draft_probs, temperature=1.0,
-                       seed=seeds, offset=offsets, backend=backend, validate=validate)
+                       seed=seeds, offset=offset, backend=backend, validate=validate)
+    # The [B] seeds the op used (drawn once, inside it) and offsets, for the count below.
+    seeds, offsets = _params.seeds_and_offsets(seeds, offset, batch=batch, device=device)
 
     independent = _independently_accepted(target_probs, draft_probs, draft_token_ids,
                                           out.num_accepted, seeds, offsets)
@@ -139,20 +141,22 @@ def chain_speculative_sampling(
     return out.output_token_ids, accepted_num, emitted_num
 
 
-def _request_seeds(seed, offset, generator, batch: int, device: torch.device):
-    """``[B]`` seeds and offsets: a tensor seed per request, an int seed FlashInfer's way
-    (``seed + b``), None from ``generator`` or torch's default generator."""
+def _request_seeds(seed, generator, batch: int, device: torch.device):
+    """The ``seed`` verify_chain takes: a tensor seed per request, an int seed FlashInfer's
+    way (``seed + b``), None from ``generator`` or torch's default generator -- drawn by the op
+    once it has checked its arguments (``DeferredSeeds``): a rejected call advances no
+    generator."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator or None, "
                         f"got {type(generator).__name__}")
     if seed is None:
-        if generator is not None:
-            seed = seeds_from_generator(generator, batch, device)
+        source = torch.default_generator if generator is None else generator
+        seed = _params.DeferredSeeds(lambda: seeds_from_generator(source, batch, device))
     elif not isinstance(seed, (torch.Tensor, bool)):
         seed = _params._as_int64(seed, "seed")
         if isinstance(seed, int):  # wraps like the int64 the kernels read
             seed = torch.arange(batch, dtype=torch.int64, device=device) + seed
-    return _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    return seed
 
 
 def _independently_accepted(target_probs: torch.Tensor, draft_probs: torch.Tensor,

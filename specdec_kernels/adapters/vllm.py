@@ -236,20 +236,29 @@ def _check_layout(metadata, cu_inclusive: torch.Tensor, batch: int, device) -> N
                              f"row), {want.tolist()}, got {got.tolist()}")
 
 
-def _request_seeds(sampling_metadata, seed, batch: int, device) -> Optional[torch.Tensor]:
+def _request_seeds(sampling_metadata, seed, batch: int, device):
     """``seed`` if given; else one seed per request, drawn from its own generator where
-    vLLM has one (seeded requests) and from torch's default generator otherwise."""
+    vLLM has one (seeded requests) and from torch's default generator otherwise -- drawn by
+    the op once it has checked its arguments (``DeferredSeeds``): a rejected call advances no
+    generator."""
     if seed is not None:
         return seed
     generators = getattr(sampling_metadata, "generators", None) or {}
     if not generators:
-        return None  # verify_chain_packed draws from torch's default generator
-    seeds = seeds_from_generator(torch.default_generator, batch, device)
+        return None  # verify_chain_packed draws from torch's default generator, last
     for index, generator in generators.items():
         if not isinstance(index, int) or not 0 <= index < batch:
             raise ValueError(f"generators: expected batch indices in [0, {batch}), got {index!r}")
-        seeds[index:index + 1] = seeds_from_generator(generator, 1, device)
-    return seeds
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generators: expected torch.Generator values, got "
+                            f"{type(generator).__name__} at batch index {index}")
+
+    def draw() -> torch.Tensor:
+        seeds = seeds_from_generator(torch.default_generator, batch, device)
+        for index, generator in generators.items():
+            seeds[index:index + 1] = seeds_from_generator(generator, 1, device)
+        return seeds
+    return _params.DeferredSeeds(draw)
 
 
 def _min_p(sampling_metadata, batch: int) -> Optional[torch.Tensor]:
