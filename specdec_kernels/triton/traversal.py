@@ -117,7 +117,7 @@ def _traversal_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                 stats_ptr, argmax_ptr, req * N + parent, tl.full([], 1, tl.int1), scale,
                 STATS_CHUNKS, STATS_CHUNKS_P2)
             row_ptr, q_row_ptr, bm_row_ptr = node_rows(logits_req, stride_ln, q_req, stride_qn,
-                                                           bm_req, bitmask_words, parent)
+                                                       bm_req, bitmask_words, parent)
             x_token = allowed_logits(load_logits(row_ptr, token, node > 0), token, node > 0,
                                      bm_row_ptr, HAS_BITMASK)
             p_x = processed_prob(x_token, x_max, x_thr, norm, scale)
@@ -212,7 +212,7 @@ def _traversal_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                                                 tl.full([], 1, tl.int1), scale, STATS_CHUNKS,
                                                 STATS_CHUNKS_P2)
     row_ptr, q_row_ptr, bm_row_ptr = node_rows(logits_req, stride_ln, q_req, stride_qn,
-                                                   bm_req, bitmask_words, accepted)
+                                               bm_req, bitmask_words, accepted)
     sampled = race_final_token(row_ptr, q_row_ptr, bm_row_ptr, V, x_max, x_thr, norm, scale,
                                temperature, seed, offset, accepted, events, ev_mass, ev_q_mass,
                                ev_token, ev_applied, ev_node, ev_weight, idx, MODE, True,

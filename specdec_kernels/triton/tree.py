@@ -105,7 +105,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
         x_max, x_thr, norm, argmax = load_row_stats(stats_ptr, argmax_ptr, req * N + current,
                                                     tested, scale, STATS_CHUNKS, STATS_CHUNKS_P2)
         row_ptr, q_row_ptr, bm_row_ptr = node_rows(logits_req, stride_ln, q_req, stride_qn,
-                                                       bm_req, bitmask_words, current)
+                                                   bm_req, bitmask_words, current)
         x_token = allowed_logits(load_logits(row_ptr, token, tested), token, tested, bm_row_ptr,
                                  HAS_BITMASK)
         p_x = processed_prob(x_token, x_max, x_thr, norm, scale)
@@ -168,7 +168,7 @@ def _tree_walk_kernel(logits_ptr, stride_lb, stride_ln, stats_ptr, argmax_ptr,
                                                 tl.full([], 1, tl.int1), scale, STATS_CHUNKS,
                                                 STATS_CHUNKS_P2)
     row_ptr, q_row_ptr, bm_row_ptr = node_rows(logits_req, stride_ln, q_req, stride_qn,
-                                                   bm_req, bitmask_words, current)
+                                               bm_req, bitmask_words, current)
     sampled = race_final_token(row_ptr, q_row_ptr, bm_row_ptr, V, x_max, x_thr, norm, scale,
                                temperature, seed, offset, current, steps, masses, q_masses,
                                tokens, applied, tokens, masses, idx, MODE, False, HAS_BITMASK,
