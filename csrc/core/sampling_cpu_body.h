@@ -4,7 +4,7 @@
 // compiled with the including file's target. The streaming loops keep 16 accumulators (one
 // per lane) so that the compiler vectorises them without reassociating a float sum.
 //
-// Not a public header: the including file has included <cmath>, <cstdint>, <cstring>,
+// Not a public header: the including file has included <algorithm>, <cmath>, <cstdint>, <cstring>,
 // <limits>, <type_traits>, <vector> and sampling_cpu.h.
 
 #define SPECDEC_INLINE inline __attribute__((always_inline))
@@ -594,6 +594,33 @@ SPECDEC_INLINE int32_t race_residual(const RowView& view, const RowStats& s,
   return race_probs(view, s, stream);
 }
 
+// ---- return_logprobs ----
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// log_softmax of the sanitised row (no bitmask, no filters) at `token`.
+SPECDEC_INLINE float raw_logprob(const RowView& view, int64_t token) {
+  RowView plain = view;
+  plain.bitmask = nullptr;
+  float value = kNaN;
+  with_row(plain, [&](const auto& row) {
+    const float x_max = row_max(row);
+    if (!(x_max > -kInf)) return;
+    const float sum = lane_sum(
+        [row, x_max](int64_t i) SPECDEC_INLINE_LAMBDA { return fast_exp(row(i) - x_max); }, 0,
+        row.vocab);
+    value = (row(token) - x_max) - std::log(sum);
+  });
+  return value;
+}
+
+// The log-probability of `token` emitted at the row (view, stats); NaN for token -1.
+SPECDEC_INLINE float emitted_logprob(Logprobs kind, const RowView& view, const RowStats& s,
+                                     int64_t token) {
+  if (token < 0) return kNaN;
+  if (kind == Logprobs::kRaw) return raw_logprob(view, token);
+  return s.greedy ? 0.0f : std::log(view_prob(view, s, token));
+}
+
 SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t end) {
   const int64_t num_drafts = a.num_drafts, vocab = a.vocab, rows = num_drafts + 1;
   Scratch scratch;
@@ -627,6 +654,7 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     Filters draft_filters = filters;
     RowStats stats, draft_stats;
     int64_t stats_row = -1, draft_stats_row = -1;
+    float* logprobs = a.logprobs_kind != Logprobs::kNone ? a.logprobs + b * rows : nullptr;
     int64_t accepted = 0;
     for (; accepted < num_drafts && valid(accepted); ++accepted) {
       const int64_t j = accepted, d = id[j];
@@ -650,6 +678,11 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
         accept = uniform_of(stream.word(0)) * q_draft < p_draft;
       }
       if (!accept) break;
+      if (logprobs != nullptr) {
+        logprobs[j] = a.logprobs_kind == Logprobs::kRaw ? raw_logprob(target_view(j), d)
+                      : greedy                           ? 0.0f
+                                                         : std::log(p_draft);
+      }
     }
     if (stats_row != accepted) stats = view_stats(target_view(accepted), filters, scratch);
     const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(accepted),
@@ -677,6 +710,204 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     for (int64_t j = 0; j < rows; ++j) out[j] = j < accepted ? static_cast<int32_t>(id[j]) : -1;
     out[accepted] = final_token;
     a.num_accepted[b] = static_cast<int32_t>(accepted);
+    if (logprobs != nullptr) {
+      logprobs[accepted] =
+          emitted_logprob(a.logprobs_kind, target_view(accepted), stats, final_token);
+      for (int64_t j = accepted + 1; j < rows; ++j) logprobs[j] = kNaN;
+    }
+  }
+}
+
+// ---- verify_tree (method "token") ----
+struct FloatRow {
+  const float* data;
+  SPECDEC_INLINE float operator()(int64_t i) const { return data[i]; }
+};
+// A without-replacement draft row: q with the rejected tokens removed, over its mass.
+struct ScaledRow {
+  const float* data;
+  float mass;
+  SPECDEC_INLINE float operator()(int64_t i) const { return mass > 0.0f ? data[i] / mass : 0.0f; }
+};
+template <class P>
+struct Unnormalised {  // p_raw / p_mass
+  P p;
+  float mass;
+  SPECDEC_INLINE float operator()(int64_t i) const { return p(i) / mass; }
+};
+
+// out = max(p - q, 0) (NaN kept); its sum and whether an entry is > 0.
+template <class P, class Q>
+SPECDEC_INLINE BlockSum write_residual(const P& p, const Q& q, float* out, int64_t vocab) {
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float r = p(i) - q(i);
+    out[i] = r < 0.0f ? 0.0f : r;
+  }
+  return block_sum(FloatRow{out}, 0, vocab);
+}
+
+// The processed row as floats (zeros for a row without finite logits).
+SPECDEC_INLINE void write_probs(const RowView& view, const RowStats& s, float* out) {
+  if (!s.has_finite || s.greedy) {
+    for (int64_t i = 0; i < view.vocab; ++i) out[i] = 0.0f;
+    if (s.has_finite) out[s.argmax] = 1.0f;
+    return;
+  }
+  with_row(view, [&](const auto& row) {
+    const Keep keep = keep_of(s);
+    for (int64_t i = 0; i < view.vocab; ++i) out[i] = keep.weight(row(i)) / s.norm;
+  });
+}
+
+SPECDEC_INLINE void write_draft(const void* q, Dtype dtype, int64_t vocab, float* out) {
+  for (int64_t i = 0; i < vocab; ++i) out[i] = raw_element(q, dtype, i);
+}
+
+// The walk of reference/tree.py, one request at a time. The current node's distribution is
+// its processed row ("pristine": RowStats only) until a rejection there needs it as a row:
+// deterministic candidates keep a list of removed tokens (the row is written only for the
+// final race), i.i.d. / without-replacement drafts write the residual to a buffer (two, so
+// that a residual without mass keeps the previous one) and the draft row to a third.
+SPECDEC_INLINE void verify_tree_body(const TreeArgs& a, int64_t begin, int64_t end) {
+  const int64_t nodes = a.num_nodes, vocab = a.vocab;
+  const bool has_q = a.draft_probs != nullptr;
+  const bool wor = has_q && a.draft_sampling == DraftSampling::kWithoutReplacement;
+  Scratch scratch;
+  std::vector<float> buffers((has_q ? 3 : 1) * static_cast<size_t>(vocab));  // grows with V only
+  std::vector<int64_t> removed;
+  for (int64_t b = begin; b < end; ++b) {
+    const Filters filters = a.params.filters(b);
+    const bool greedy = filters.temperature == 0.0f;
+    int64_t live = a.live_nodes[b];
+    live = live < 1 ? 1 : (live > nodes ? nodes : live);
+    const int64_t* ids = a.tree_token_ids + b * nodes;
+    const int64_t* parent = a.parents + b * nodes;
+    auto real = [&](int64_t i) {
+      return i < live && parent[i] >= 0 && parent[i] < i && ids[i] >= 0 && ids[i] < vocab;
+    };
+    auto target_view = [&](int64_t node) {
+      return logits_row(a.target, a.target_dtype, b * nodes + node, vocab, a.bitmask);
+    };
+    auto q_row = [&](int64_t node) {
+      return row_pointer(a.draft_probs, a.draft_probs_dtype, b * nodes + node, vocab);
+    };
+    int32_t* path = a.accepted_nodes + b * nodes;
+    float* logprobs = a.logprobs_kind != Logprobs::kNone ? a.logprobs + b * nodes : nullptr;
+    path[0] = 0;
+    int64_t current = 0, accepted = 0;
+    RowStats stats = view_stats(target_view(0), filters, scratch);
+    float* p_buf = nullptr;  // null: the current row is pristine
+    float* q_buf = nullptr;  // null: the draft row is draft_probs' row as it is
+    float p_mass = 1.0f, q_mass = 1.0f;
+    int64_t last_removed = -1;
+    removed.clear();
+    auto buffer = [&](int index) { return buffers.data() + index * vocab; };
+    for (int64_t i = 1; i < nodes; ++i) {
+      if (!real(i) || parent[i] != current) continue;
+      const int64_t token = ids[i];
+      float p_token;
+      if (p_buf != nullptr) {
+        p_token = p_buf[token];
+      } else if (std::find(removed.begin(), removed.end(), token) != removed.end()) {
+        p_token = 0.0f;
+      } else {
+        p_token = view_prob(target_view(current), stats, token);
+      }
+      const float target = p_mass > 0.0f ? p_token / p_mass : (p_token > 0.0f ? kInf : 0.0f);
+      float draft = 1.0f;
+      if (has_q) {
+        draft = q_buf != nullptr ? q_buf[token]
+                                 : raw_element(q_row(current), a.draft_probs_dtype, token);
+        if (wor) draft = q_mass > 0.0f ? draft / q_mass : 0.0f;
+      }
+      bool accept;
+      if (greedy) {  // greedy p is one-hot at the arg-max
+        accept = p_token > 0.0f;
+      } else {
+        const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(i),
+                            kPurposeAccept);
+        accept = uniform_of(stream.word(0)) * draft < target;
+      }
+      if (accept) {
+        if (logprobs != nullptr) {
+          logprobs[accepted] = emitted_logprob(a.logprobs_kind, target_view(current), stats, token);
+        }
+        current = i;
+        path[++accepted] = static_cast<int32_t>(i);
+        stats = view_stats(target_view(i), filters, scratch);
+        p_buf = q_buf = nullptr;
+        p_mass = q_mass = 1.0f;
+        last_removed = -1;
+        removed.clear();
+        continue;
+      }
+      if (greedy) continue;
+      if (!has_q) {  // remove the token; its probability leaves the mass
+        p_mass = p_mass - p_token;
+        removed.push_back(token);
+        if (p_token > 0.0f) last_removed = token;
+        continue;
+      }
+      if (q_buf == nullptr) {
+        q_buf = buffer(2);
+        write_draft(q_row(current), a.draft_probs_dtype, vocab, q_buf);
+      }
+      float* next = p_buf == buffer(0) ? buffer(1) : buffer(0);
+      BlockSum residual{0.0f, false};
+      auto with_draft = [&](const auto& p) {
+        if (wor) {
+          residual = write_residual(p, ScaledRow{q_buf, q_mass}, next, vocab);
+        } else {
+          residual = write_residual(p, FloatRow{q_buf}, next, vocab);
+        }
+      };
+      if (p_buf != nullptr) {
+        with_draft(Unnormalised<FloatRow>{FloatRow{p_buf}, p_mass});
+      } else if (stats.has_finite) {
+        with_row(target_view(current), [&](const auto& row) {
+          using R = std::decay_t<decltype(row)>;
+          with_draft(Unnormalised<Probs<R>>{Probs<R>{row, keep_of(stats), stats.norm}, p_mass});
+        });
+      } else {
+        with_draft(Unnormalised<Zero>{Zero{}, p_mass});
+      }
+      if (residual.any_positive) {  // else p stays (only through rounding, see reference)
+        p_buf = next;
+        p_mass = residual.sum;
+      }
+      if (wor) {
+        q_mass = q_mass - q_buf[token];
+        q_buf[token] = 0.0f;
+      }
+    }
+    const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(current),
+                        kPurposeResample);
+    int32_t final_token;
+    if (p_buf != nullptr) {
+      final_token = race(FloatRow{p_buf}, vocab, stream).token;
+    } else if (removed.empty()) {
+      final_token = race_probs(target_view(current), stats, stream);
+    } else {  // deterministic candidates with removals
+      float* row = buffer(0);
+      write_probs(target_view(current), stats, row);
+      for (const int64_t token : removed) row[token] = 0.0f;
+      const RaceResult result = race(FloatRow{row}, vocab, stream);
+      // Removals left no mass (rounding only): the last removed token was all that remained.
+      final_token = !result.any_positive && last_removed >= 0
+                        ? static_cast<int32_t>(last_removed)
+                        : result.token;
+    }
+    int32_t* out = a.output_token_ids + b * nodes;
+    for (int64_t m = 0; m < nodes; ++m) {
+      out[m] = m < accepted ? static_cast<int32_t>(ids[path[m + 1]]) : -1;
+      if (m > accepted) path[m] = -1;
+    }
+    out[accepted] = final_token;
+    a.num_accepted[b] = static_cast<int32_t>(accepted);
+    if (logprobs != nullptr) {
+      logprobs[accepted] = emitted_logprob(a.logprobs_kind, target_view(current), stats, final_token);
+      for (int64_t m = accepted + 1; m < nodes; ++m) logprobs[m] = kNaN;
+    }
   }
 }
 
@@ -687,6 +918,9 @@ SPECDEC_INLINE void sample_body(const SampleArgs& a, int64_t begin, int64_t end)
     const RowStats stats = view_stats(view, a.params.filters(b), scratch);
     const Stream stream(a.params.seed[b], a.params.offset[b], 0, kPurposeSample);
     a.tokens[b] = race_probs(view, stats, stream);
+    if (a.logprobs_kind != Logprobs::kNone) {
+      a.logprobs[b] = emitted_logprob(a.logprobs_kind, view, stats, a.tokens[b]);
+    }
   }
 }
 
