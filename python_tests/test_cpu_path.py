@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scipy import stats
 
 import specdec_kernels as sk
 from specdec_kernels import _cpu, _params, _rng
@@ -394,3 +395,85 @@ def test_cpp_tree_tokens_follow_target(monkeypatch, mode):
                                                     tree_tests._conditional(bug_second))
     assert p_first > tree_tests.ALPHA_TEST and p_second > tree_tests.ALPHA_TEST
     assert max(power_first, power_second) >= 0.99
+
+
+# ---- method="block" in C++ ----
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("vocab", [1, 7, 3001])
+def test_block_chain_equals_reference(dtype, vocab):
+    """Block verification in C++ == the reference: one-hot, draft_probs, draft_logits and
+    bitmask modes, mixed greedy/T/top-k/top-p/min-p, ragged num_draft_tokens with invalid
+    drafts (garbage ids, validate=False), log-probabilities."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    batch, drafts = 20, 4
+    target, draft_logits, ids = _inputs(batch, drafts, vocab, dtype, gen)
+    # Drafts close to the target make later tests pass after an early failure.
+    draft_logits = (target[:, :drafts].float() + 0.5 * draft_logits.float()).to(dtype)
+    ids[3, 2], ids[5, 0] = -1, vocab + 3
+    params = mixed_params(batch, vocab, gen)
+    params["min_p"] = torch.where(torch.arange(batch) % 7 == 6, 0.05, 0.0)
+    num = torch.randint(0, drafts + 1, (batch,), generator=gen)
+    num[: batch // 2] = drafts
+    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, drafts + 1, (vocab + 31) // 32),
+                            generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[::2] = -1
+    probs = ref_sampling.processed_probs(draft_logits, params["temperature"], params["top_k"],
+                                         params["top_p"])
+    compared = differing = 0
+    for mode, kind in (("one_hot", None), ("draft_probs", "processed"),
+                       ("draft_logits", "raw"), ("bitmask", "processed")):
+        extra = {"draft_probs": dict(draft_probs=probs.to(dtype)),
+                 "draft_logits": dict(draft_logits=draft_logits),
+                 "bitmask": dict(token_bitmask=bitmask, draft_probs=probs)}.get(mode, {})
+        common = dict(num_draft_tokens=num, seed=torch.arange(batch) * 3, offset=1,
+                      method="block", validate=False, return_logprobs=kind, **params, **extra)
+        got = sk.verify_chain(target, ids, **common)
+        want = sk.verify_chain(target, ids, backend="reference", **common)
+        compared += batch
+        differing += _differing(got, want)
+        assert bool(((got.output_token_ids >= -1) & (got.output_token_ids < vocab)).all())
+        if kind is not None:
+            _assert_logprobs_close(got.logprobs, want.logprobs,
+                                   (got.output_token_ids == want.output_token_ids).all(-1))
+    assert differing <= MAX_DIFFERING * compared + 1, (differing, compared)
+
+
+def test_block_packed_equals_reference():
+    gen = torch.Generator().manual_seed(12)
+    vocab, counts = 1001, [0, 4, 1, 3, 2, 4]
+    batch, total = len(counts), sum(counts)
+    cu = torch.tensor([0] + counts).cumsum(0)
+    target = torch.randn(total + batch, vocab, generator=gen) * 2
+    draft_logits = torch.randn(total, vocab, generator=gen) * 2
+    ids = torch.randint(0, vocab, (total,), generator=gen)
+    for extra in ({}, dict(draft_logits=draft_logits)):
+        kwargs = dict(max_draft_tokens=4, seed=torch.arange(batch), method="block",
+                      return_logprobs="processed", **extra)
+        got = sk.verify_chain_packed(target, ids, cu, **kwargs)
+        want = sk.verify_chain_packed(target, ids, cu, backend="reference", **kwargs)
+        assert _differing(got, want) == 0
+        _assert_logprobs_close(got.logprobs, want.logprobs, torch.ones(batch, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("mode", ("draft_probs", "draft_logits"))
+def test_cpp_block_tokens_follow_target(mode):
+    """The C++ block law: test_block_traversal's statistic through backend="auto" (40k
+    requests, chi-square per position at alpha = 1e-4, power >= 0.99 at TV >= 0.02 for the
+    first token; its planted bug h = w fails it), and the mean accepted length above the token
+    rule's exact expectation (normal test at alpha = 1e-4)."""
+    from test_block_traversal import _context_free_expectation
+    batch, vocab, num_drafts = 40_000, 6, 3
+    params = (1.0, 0, 1.0) if mode == "draft_probs" else (0.8, 4, 0.9)
+    out, p, q = _context_free_round(mode, params, batch, vocab, num_drafts, method="block",
+                                    backend="auto")
+    tokens, accepted = out.output_token_ids.long(), out.num_accepted.long()
+    for j in range(num_drafts + 1):
+        reached = accepted >= j
+        pvalue, power = _chi_square(torch.bincount(tokens[reached, j], minlength=vocab), p[j])
+        assert pvalue > ALPHA, (j, pvalue)
+        if j == 0:
+            assert power >= 0.99
+    closed = _context_free_expectation(p, q)
+    sd = float(accepted.double().std()) / batch ** 0.5
+    assert abs(float(accepted.double().mean()) - closed["block"]) <= stats.norm.isf(ALPHA / 2) * sd
+    assert closed["block"] > closed["token"] + 10 * sd

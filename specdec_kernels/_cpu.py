@@ -18,7 +18,7 @@ from . import _extension
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _LOGPROBS = {None: 0, "processed": 1, "raw": 2}
-CHAIN_METHODS = {"token": 0}
+CHAIN_METHODS = {"token": 0, "block": 1}
 TREE_METHODS = ("token",)
 
 

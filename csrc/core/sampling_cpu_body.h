@@ -458,7 +458,6 @@ SPECDEC_INLINE RaceResult race(const W& weight, int64_t vocab, const Stream& str
 }
 
 // ---- the ops ----
-constexpr int64_t kMaxDraftsOnStack = 64;
 SPECDEC_INLINE size_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
 
 SPECDEC_INLINE const void* row_pointer(const void* base, Dtype dtype, int64_t row, int64_t vocab) {
@@ -519,12 +518,15 @@ struct Residual {
   RowStats draft_stats;
 };
 
+// max(weight * p - q, 0): weight 1 for the token rule (exact: 1 * p == p), w_j for block
+// verification.
 template <class P, class Q>
 struct ResidualWeight {
   P p;
   Q q;
+  float weight;
   SPECDEC_INLINE float operator()(int64_t i) const {
-    const float r = p(i) - q(i);
+    const float r = weight * p(i) - q(i);
     return r < 0.0f ? 0.0f : r;
   }
 };
@@ -577,21 +579,41 @@ SPECDEC_INLINE void with_q(const Residual& residual, F&& body) {
   }
 }
 
-// The correction token after a rejection: the residual's race, or p's when it has no mass.
-SPECDEC_INLINE int32_t race_residual(const RowView& view, const RowStats& s,
-                                     const Residual& residual, const Stream& stream) {
-  if (!s.has_finite) return -1;
-  RaceResult result{-1, false};
+// body(max(weight * p - q, 0)) for the processed non-greedy row (view, s) with finite logits.
+template <class F>
+SPECDEC_INLINE void with_residual(const RowView& view, const RowStats& s,
+                                  const Residual& residual, float weight, F&& body) {
   with_row(view, [&](const auto& row) {
     using R = std::decay_t<decltype(row)>;
     const Probs<R> p{row, keep_of(s), s.norm};
     with_q(residual, [&](const auto& q) {
       using Q = std::decay_t<decltype(q)>;
-      result = race(ResidualWeight<Probs<R>, Q>{p, q}, view.vocab, stream);
+      body(ResidualWeight<Probs<R>, Q>{p, q, weight});
     });
   });
+}
+
+// The correction token after a rejection: the race of max(weight * p - q, 0), or p's when
+// that has no mass.
+SPECDEC_INLINE int32_t race_residual(const RowView& view, const RowStats& s,
+                                     const Residual& residual, const Stream& stream,
+                                     float weight = 1.0f) {
+  if (!s.has_finite) return -1;
+  RaceResult result{-1, false};
+  with_residual(view, s, residual, weight,
+                [&](const auto& r) { result = race(r, view.vocab, stream); });
   if (result.any_positive) return result.token;
   return race_probs(view, s, stream);
+}
+
+// Block verification's R = sum(max(weight * p - q, 0)) (0 for a row without finite logits).
+SPECDEC_INLINE float residual_mass(const RowView& view, const RowStats& s,
+                                   const Residual& residual, float weight) {
+  if (!s.has_finite) return 0.0f;
+  float mass = 0.0f;
+  with_residual(view, s, residual, weight,
+                [&](const auto& r) { mass = lane_sum(r, 0, view.vocab); });
+  return mass;
 }
 
 // ---- return_logprobs ----
@@ -621,9 +643,31 @@ SPECDEC_INLINE float emitted_logprob(Logprobs kind, const RowView& view, const R
   return s.greedy ? 0.0f : std::log(view_prob(view, s, token));
 }
 
+// Block verification's w_j = min(1, w_{j-1} * p_j(d_j) / q_j(d_j)) (reference
+// sequence_weight: 1 when the numerator reaches q, also for q = 0 with a positive numerator).
+SPECDEC_INLINE float sequence_weight(float previous, float target, float draft) {
+  const float numerator = previous * target;
+  return numerator >= draft ? (numerator > 0.0f ? 1.0f : 0.0f) : numerator / draft;
+}
+// h = R / (R + (1 - w)), 1 when that denominator is 0 (reference rejection_weight).
+SPECDEC_INLINE float rejection_weight(float mass, float weight) {
+  const float denominator = mass + (1.0f - weight);
+  return denominator > 0.0f ? mass / denominator : 1.0f;
+}
+
+// One request after another. Token rule: row j's statistics, p(d_j), q(d_j), the test; stop
+// at the first rejection. Block verification (sampled requests): every live row is read (all
+// tests are made); row j >= 1 also gives R_j = sum(max(w_j p_j - q_j, 0)).
 SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t end) {
   const int64_t num_drafts = a.num_drafts, vocab = a.vocab, rows = num_drafts + 1;
   Scratch scratch;
+  std::vector<int64_t> id(num_drafts);          // grows with K only
+  std::vector<float> p_drafts(num_drafts);       // p_j(d_j), for the log-probabilities
+  std::vector<RowStats> block_stats, block_draft_stats;
+  if (a.method == ChainMethod::kBlock) {
+    block_stats.resize(rows);
+    block_draft_stats.resize(rows);
+  }
   for (int64_t b = begin; b < end; ++b) {
     const Filters filters = a.params.filters(b);
     const bool greedy = filters.temperature == 0.0f;
@@ -635,15 +679,9 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     auto draft_row = [&](int64_t j) {  // j < n only
       return a.draft_rows ? a.draft_rows[b * num_drafts + j] : b * num_drafts + j;
     };
-    int64_t ids[kMaxDraftsOnStack];
-    std::vector<int64_t> ids_heap;
-    int64_t* id = ids;
-    if (n > kMaxDraftsOnStack) {
-      ids_heap.resize(n);
-      id = ids_heap.data();
-    }
     for (int64_t j = 0; j < n; ++j) id[j] = a.draft_ids[draft_row(j)];
-    auto valid = [&](int64_t j) { return j < n && id[j] >= 0 && id[j] < vocab; };
+    int64_t live = 0;  // the leading valid drafts
+    while (live < n && id[live] >= 0 && id[live] < vocab) ++live;
     auto target_view = [&](int64_t j) {
       return logits_row(a.target, a.target_dtype, target_row(j), vocab, a.bitmask);
     };
@@ -651,58 +689,90 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
       return RowView{row_pointer(a.draft_logits, a.draft_logits_dtype, draft_row(j), vocab),
                      a.draft_logits_dtype, vocab, nullptr};
     };
-    Filters draft_filters = filters;
-    RowStats stats, draft_stats;
-    int64_t stats_row = -1, draft_stats_row = -1;
-    float* logprobs = a.logprobs_kind != Logprobs::kNone ? a.logprobs + b * rows : nullptr;
-    int64_t accepted = 0;
-    for (; accepted < num_drafts && valid(accepted); ++accepted) {
-      const int64_t j = accepted, d = id[j];
-      stats = view_stats(target_view(j), filters, scratch);
-      stats_row = j;
-      const float p_draft = view_prob(target_view(j), stats, d);
-      bool accept;
-      if (greedy) {
-        accept = p_draft > 0.0f;
-      } else {
-        float q_draft = 1.0f;
-        if (a.draft_probs != nullptr) {
-          q_draft = raw_element(a.draft_probs, a.draft_probs_dtype, draft_row(j) * vocab + d);
-        } else if (a.draft_logits != nullptr) {
-          draft_stats = view_stats(draft_view(j), draft_filters, scratch);
-          draft_stats_row = j;
-          q_draft = view_prob(draft_view(j), draft_stats, d);
-        }
-        const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(j + 1),
-                            kPurposeAccept);
-        accept = uniform_of(stream.word(0)) * q_draft < p_draft;
+    const Filters draft_filters = filters;
+    auto draft_stats_of = [&](int64_t j) {  // j < live; only with draft_logits
+      return view_stats(draft_view(j), draft_filters, scratch);
+    };
+    auto q_draft_of = [&](int64_t j, const RowStats& draft_stats) {
+      if (a.draft_probs != nullptr) {
+        return raw_element(a.draft_probs, a.draft_probs_dtype, draft_row(j) * vocab + id[j]);
       }
-      if (!accept) break;
-      if (logprobs != nullptr) {
-        logprobs[j] = a.logprobs_kind == Logprobs::kRaw ? raw_logprob(target_view(j), d)
-                      : greedy                           ? 0.0f
-                                                         : std::log(p_draft);
-      }
-    }
-    if (stats_row != accepted) stats = view_stats(target_view(accepted), filters, scratch);
-    const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(accepted),
-                        kPurposeResample);
-    int32_t final_token;
-    if (!greedy && accepted < num_drafts && valid(accepted)) {  // rejected: the residual
-      Residual residual{Residual::kOneHot, id[accepted], nullptr, Dtype::kFloat32, RowView{},
+      if (a.draft_logits != nullptr) return view_prob(draft_view(j), draft_stats, id[j]);
+      return 1.0f;
+    };
+    auto residual_of = [&](int64_t j, const RowStats& draft_stats) {  // q of row j < live
+      Residual residual{Residual::kOneHot, id[j], nullptr, Dtype::kFloat32, RowView{},
                         RowStats{}};
       if (a.draft_probs != nullptr) {
         residual.kind = Residual::kProbs;
-        residual.q = row_pointer(a.draft_probs, a.draft_probs_dtype, draft_row(accepted), vocab);
+        residual.q = row_pointer(a.draft_probs, a.draft_probs_dtype, draft_row(j), vocab);
         residual.q_dtype = a.draft_probs_dtype;
       } else if (a.draft_logits != nullptr) {
         residual.kind = Residual::kLogits;
-        residual.draft_view = draft_view(accepted);
-        residual.draft_stats = draft_stats_row == accepted
-                                   ? draft_stats
-                                   : view_stats(residual.draft_view, draft_filters, scratch);
+        residual.draft_view = draft_view(j);
+        residual.draft_stats = draft_stats;
       }
-      final_token = race_residual(target_view(accepted), stats, residual, stream);
+      return residual;
+    };
+    auto uniform_at = [&](int64_t position) {
+      const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(position),
+                          kPurposeAccept);
+      return uniform_of(stream.word(0));
+    };
+    RowStats stats, draft_stats;  // of row `accepted` once the loop is done
+    int64_t accepted = 0;
+    float correction_weight = 1.0f;  // the residual's w (block: w_tau)
+    if (a.method == ChainMethod::kBlock && !greedy) {
+      float w = 1.0f;  // w_j at row j
+      for (int64_t j = 0; j < live; ++j) {
+        RowStats& row = block_stats[j];
+        RowStats& draft = block_draft_stats[j];
+        row = view_stats(target_view(j), filters, scratch);
+        if (a.draft_logits != nullptr) draft = draft_stats_of(j);
+        if (j >= 1) {  // test j < n: u_j < h_j
+          const float mass = residual_mass(target_view(j), row, residual_of(j, draft), w);
+          if (uniform_at(j) < rejection_weight(mass, w)) {
+            accepted = j;
+            correction_weight = w;
+          }
+        }
+        const float p_draft = view_prob(target_view(j), row, id[j]);
+        const float q_draft = q_draft_of(j, draft);
+        p_drafts[j] = p_draft;
+        if (j == live - 1 && uniform_at(live) * q_draft < w * p_draft) accepted = live;
+        w = sequence_weight(w, p_draft, q_draft);
+      }
+      if (accepted < live) {
+        stats = block_stats[accepted];
+        draft_stats = block_draft_stats[accepted];
+      } else {
+        stats = view_stats(target_view(accepted), filters, scratch);
+      }
+    } else {
+      int64_t stats_row = -1;
+      for (; accepted < live; ++accepted) {
+        const int64_t j = accepted;
+        stats = view_stats(target_view(j), filters, scratch);
+        stats_row = j;
+        const float p_draft = view_prob(target_view(j), stats, id[j]);
+        p_drafts[j] = p_draft;
+        bool accept;
+        if (greedy) {
+          accept = p_draft > 0.0f;
+        } else {
+          if (a.draft_logits != nullptr) draft_stats = draft_stats_of(j);
+          accept = uniform_at(j + 1) * q_draft_of(j, draft_stats) < p_draft;
+        }
+        if (!accept) break;
+      }
+      if (stats_row != accepted) stats = view_stats(target_view(accepted), filters, scratch);
+    }
+    const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(accepted),
+                        kPurposeResample);
+    int32_t final_token;
+    if (!greedy && accepted < live) {  // rejected: the residual
+      final_token = race_residual(target_view(accepted), stats,
+                                  residual_of(accepted, draft_stats), stream, correction_weight);
     } else {
       final_token = race_probs(target_view(accepted), stats, stream);
     }
@@ -710,7 +780,13 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     for (int64_t j = 0; j < rows; ++j) out[j] = j < accepted ? static_cast<int32_t>(id[j]) : -1;
     out[accepted] = final_token;
     a.num_accepted[b] = static_cast<int32_t>(accepted);
-    if (logprobs != nullptr) {
+    if (a.logprobs_kind != Logprobs::kNone) {
+      float* logprobs = a.logprobs + b * rows;
+      for (int64_t j = 0; j < accepted; ++j) {
+        logprobs[j] = a.logprobs_kind == Logprobs::kRaw ? raw_logprob(target_view(j), id[j])
+                      : greedy                           ? 0.0f
+                                                         : std::log(p_drafts[j]);
+      }
       logprobs[accepted] =
           emitted_logprob(a.logprobs_kind, target_view(accepted), stats, final_token);
       for (int64_t j = accepted + 1; j < rows; ++j) logprobs[j] = kNaN;
