@@ -183,9 +183,9 @@ def test_dispatch_and_fallbacks(monkeypatch):
     tree_ids, parents = torch.tensor([[-1, 3, 4]] * 2), torch.tensor([[-1, 0, 0]] * 2)
     q = torch.softmax(torch.randn(2, 3, 50), -1)
     sk.verify_tree(target, tree_ids, parents, seed=1, return_logprobs="processed")
-    assert calls[-1] == "verify_tree"
-    del calls[:]
     sk.verify_tree(target, tree_ids, parents, seed=1, draft_probs=q, method="traversal")
+    assert calls[-2:] == ["verify_tree"] * 2
+    del calls[:]
     sk.verify_tree(target, tree_ids, parents, seed=1, draft_probs=q.double())
     sk.verify_tree(target, tree_ids, parents, seed=1, backend="reference")
     assert calls == []
@@ -313,11 +313,13 @@ def test_chain_shaped_tree_equals_verify_chain():
 
 def test_tree_garbage_unvalidated():
     """validate=False: garbage parents (>= i, negative, huge), ids outside [0, V), num_nodes
-    outside 1..N and NaN/negative draft probs give the reference's answer, in bounds."""
+    outside 1..N and NaN/negative draft probs give the reference's answer, in bounds (token
+    walk and traversal)."""
     from test_triton_tree import random_trees
     batch, nodes, vocab = 24, 7, 301
     gen = torch.Generator().manual_seed(6)
-    for mode in TREE_MODES:
+    for mode, method in [(mode, "token") for mode in TREE_MODES] + [
+            ("iid", "traversal"), ("without_replacement", "traversal")]:
         target, tokens, parents, q, num_nodes = random_trees(batch, nodes, vocab, mode, seed=6)
         parents[0, 3], parents[1, 2], parents[2, 4] = 5, -7, 2**40
         tokens[3, 1], tokens[4, 2], tokens[5, 5] = -3, vocab, 2**35
@@ -330,7 +332,7 @@ def test_tree_garbage_unvalidated():
         extra = {} if mode == "deterministic" else dict(draft_probs=q, draft_sampling=mode)
         common = dict(num_nodes=num_nodes, seed=torch.randint(0, 2**60, (batch,), generator=gen),
                       validate=False, temperature=torch.rand(batch, generator=gen) + 0.2,
-                      **extra)
+                      method=method, **extra)
         got = sk.verify_tree(target, tokens, parents, **common)
         want = sk.verify_tree(target, tokens, parents, backend="reference", **common)
         assert _tree_differing(got, want) == 0
@@ -477,3 +479,92 @@ def test_cpp_block_tokens_follow_target(mode):
     sd = float(accepted.double().std()) / batch ** 0.5
     assert abs(float(accepted.double().mean()) - closed["block"]) <= stats.norm.isf(ALPHA / 2) * sd
     assert closed["block"] > closed["token"] + 10 * sd
+
+
+# ---- method="traversal" in C++ ----
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("vocab", [7, 3001])
+def test_traversal_equals_reference(dtype, vocab):
+    """Traversal verification in C++ == the reference: i.i.d. and without-replacement trees with
+    padding, mixed greedy/T/top-k/top-p/min-p, a bitmask, both log-probability kinds."""
+    from test_triton_tree import random_trees
+    batch, nodes = 20, 9
+    compared = differing = 0
+    for mode in ("iid", "without_replacement"):
+        target, tokens, parents, q, num_nodes = random_trees(batch, nodes, vocab, mode,
+                                                             seed=vocab + 2 * len(mode))
+        gen = torch.Generator().manual_seed(vocab + 5)
+        params = mixed_params(batch, vocab, gen)
+        params["min_p"] = torch.where(torch.arange(batch) % 7 == 6, 0.05, 0.0)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (batch, nodes, (vocab + 31) // 32),
+                                generator=gen, dtype=torch.int64).to(torch.int32)
+        bitmask[::2] = -1
+        for more, kind in (({}, "processed"), (dict(token_bitmask=bitmask), "raw")):
+            common = dict(num_nodes=num_nodes, seed=torch.arange(batch) * 5 + vocab, offset=2,
+                          draft_probs=q.to(dtype), draft_sampling=mode, method="traversal",
+                          return_logprobs=kind, **params, **more)
+            args = (target.to(dtype), tokens, parents)
+            got = sk.verify_tree(*args, **common)
+            want = sk.verify_tree(*args, backend="reference", **common)
+            compared += batch
+            differing += _tree_differing(got, want)
+            assert bool(((got.output_token_ids >= -1) & (got.output_token_ids < vocab)).all())
+            _assert_logprobs_close(got.logprobs, want.logprobs,
+                                   (got.output_token_ids == want.output_token_ids).all(-1))
+    assert differing <= MAX_DIFFERING * compared + 1, (differing, compared)
+
+
+def test_chain_shaped_traversal_equals_block():
+    """A chain-shaped tree under traversal gives verify_chain(method="block")'s tokens on the
+    C++ path (i.i.d. and without replacement: one child per node, the same law)."""
+    gen = torch.Generator().manual_seed(9)
+    batch, vocab, drafts = 40, 301, 4
+    target, draft_logits, ids = _inputs(batch, drafts, vocab, torch.float32, gen)
+    draft_logits = target[:, :drafts] + 0.5 * draft_logits
+    q = torch.softmax(draft_logits, -1)
+    params = mixed_params(batch, vocab, gen)
+    parents = torch.arange(-1, drafts)[None].expand(batch, -1)
+    tree_ids = torch.cat([torch.full((batch, 1), -1), ids], 1)
+    num = torch.randint(0, drafts + 1, (batch,), generator=gen)
+    num[: batch // 2] = drafts
+    common = dict(seed=torch.arange(batch), offset=4, return_logprobs="processed", **params)
+    chain = sk.verify_chain(target, ids, num_draft_tokens=num, draft_probs=q, method="block",
+                            **common)
+    for sampling in ("iid", "without_replacement"):
+        tree = sk.verify_tree(target, tree_ids, parents, num_nodes=num + 1,
+                              draft_probs=torch.cat([q, torch.zeros(batch, 1, vocab)], 1),
+                              draft_sampling=sampling, method="traversal", **common)
+        assert torch.equal(tree.output_token_ids, chain.output_token_ids)
+        assert torch.equal(tree.num_accepted, chain.num_accepted)
+        assert torch.allclose(tree.logprobs, chain.logprobs, equal_nan=True)
+
+
+@pytest.mark.parametrize("mode", ("iid", "without_replacement"))
+def test_cpp_traversal_tokens_follow_target(monkeypatch, mode):
+    """The C++ traversal law: test_block_traversal's statistic through backend="auto" (20k
+    trees, chi-square of the first token and of the token after an accepted first node at
+    alpha = 1e-3/4 each, power >= 0.99 against the 'final-from-original-row' bug whose law is
+    enumerated) and the mean accepted length against its exact expectation."""
+    import test_block_traversal as bt
+    import test_tree_reference as tree_tests
+    from specdec_kernels.reference import tree as ref_tree
+    toy = bt.ToyTree(4, 2, (1.0, 0, 1.0), mode)
+    T0, T1, _ = toy.tables()
+    exact = bt.enumerate_traversal(toy)
+    with monkeypatch.context() as patched:
+        patched.setattr(ref_tree, *bt.TRAVERSAL_BUGS["final-from-original-row"][1])
+        bug = bt.enumerate_traversal(toy)
+    batch = 20_000
+    out = tree_tests.sample_round(toy, batch, seed=5, method="traversal", backend="auto")
+    first, second = tree_tests._sampled_counts(out, toy.vocab)
+    with monkeypatch.context() as patched:
+        patched.setattr(tree_tests, "ALPHA_TEST", bt.TRAVERSAL_ALPHA)
+        p_first, power_first = tree_tests._chi_square(first, T0[None], bug.first[None])
+        p_second, power_second = tree_tests._chi_square(second, T1,
+                                                        tree_tests._conditional(bug.second))
+    assert p_first > bt.TRAVERSAL_ALPHA and p_second > bt.TRAVERSAL_ALPHA
+    assert max(power_first, power_second) >= 0.99
+    accepted = out.num_accepted.double()
+    sd = float(accepted.std()) / batch ** 0.5
+    assert abs(float(accepted.mean()) - exact.mean_accepted) <= \
+        stats.norm.isf(bt.TRAVERSAL_ALPHA / 2) * sd

@@ -1,14 +1,14 @@
 """The C++ CPU path (``csrc/core/sampling_cpu.*``) behind ``backend="auto"`` on CPU tensors.
 
-It runs ``verify_chain`` (and ``verify_chain_packed``, in place), ``verify_tree`` (method
-``"token"``) and ``sample`` for float32, bfloat16 and float16 logits: one-hot, ``draft_probs``
-(float32/bf16/fp16) and ``draft_logits`` drafts, deterministic, i.i.d. and without-replacement
-trees, greedy and sampled requests, temperature, top-k, top-p, min-p, ``token_bitmask`` and
+It runs ``verify_chain`` (and ``verify_chain_packed``, in place; methods ``"token"`` and
+``"block"``), ``verify_tree`` (``"token"`` and ``"traversal"``) and ``sample`` for float32,
+bfloat16 and float16 logits: one-hot, ``draft_probs`` (float32/bf16/fp16) and
+``draft_logits`` drafts, deterministic, i.i.d. and without-replacement trees, greedy and
+sampled requests, temperature, top-k, top-p, min-p, ``token_bitmask`` and
 ``return_logprobs``. Everything else takes the reference (the definition): float64 logits or
-draft probabilities, the methods not listed in ``CHAIN_METHODS`` / ``TREE_METHODS``, and
-``processed_probs`` (which has no backend argument and stays the definition).
-``backend="reference"`` is always the pure-PyTorch path. The arguments arrive parsed
-(``_params``) and validated as for the other backends.
+draft probabilities, and ``processed_probs`` (which has no backend argument and stays the
+definition). ``backend="reference"`` is always the pure-PyTorch path. The arguments arrive
+parsed (``_params``) and validated as for the other backends.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from . import _extension
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _LOGPROBS = {None: 0, "processed": 1, "raw": 2}
 CHAIN_METHODS = {"token": 0, "block": 1}
-TREE_METHODS = ("token",)
+TREE_METHODS = {"token": 0, "traversal": 1}
 
 
 
@@ -76,13 +76,13 @@ def verify_chain(target_logits, draft_token_ids, draft_probs, draft_logits, n, p
 
 
 def verify_tree(target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
-                params, seeds, offsets, token_bitmask, return_logprobs):
-    """``(output_token_ids, accepted_nodes, num_accepted, logprobs)`` of method ``"token"``."""
+                params, seeds, offsets, token_bitmask, return_logprobs, method="token"):
+    """``(output_token_ids, accepted_nodes, num_accepted, logprobs)``."""
     min_p = params.min_p if params.uses_min_p else None
     out, path, accepted, logprobs = torch.ops.specdec.cpu_verify_tree(
         target_logits, tree_token_ids, parents, draft_probs,
         int(draft_sampling == "without_replacement"), num_nodes, params.temperature,
-        params.top_k, params.top_p, min_p, token_bitmask, seeds, offsets,
+        params.top_k, params.top_p, min_p, token_bitmask, seeds, offsets, TREE_METHODS[method],
         _LOGPROBS[return_logprobs])
     return out, path, accepted, _logprobs(logprobs, return_logprobs)
 

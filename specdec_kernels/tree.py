@@ -148,7 +148,7 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     if _cpu.selected(backend, device) and _cpu.runs_tree(target_logits, draft_probs, method):
         return TreeVerifyOutput(*_cpu.verify_tree(
             target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
-            params, seeds, offsets, token_bitmask, return_logprobs))
+            params, seeds, offsets, token_bitmask, return_logprobs, method))
     return TreeVerifyOutput(*_reference.verify_tree(
         target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
         params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,

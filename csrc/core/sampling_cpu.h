@@ -130,11 +130,13 @@ struct SampleArgs {
 };
 void sample(const SampleArgs& args, int64_t begin, int64_t end);
 
-// verify_tree, method "token" (contract section 4). Node i of request b: target row
+// verify_tree, method "token" (contract section 4) or "traversal" (section 12). Node i of request b: target row
 // b * N + i (and its bitmask row), draft_probs row b * N + i, token tree_token_ids[b * N + i],
 // parent parents[b * N + i]. A node takes part when i < num_nodes[b] (clamped to 1..N),
 // 0 <= parent < i and its id is in [0, V); others are ignored like padding (validate=False).
 enum class DraftSampling : int { kIid = 0, kWithoutReplacement = 1 };
+// kTraversal (contract section 12) needs draft_probs; its greedy requests take the token walk.
+enum class TreeMethod : int { kToken = 0, kTraversal = 1 };
 struct TreeArgs {
   int64_t batch = 0, num_nodes = 0, vocab = 0;  // target [B, N, V]
   const void* target = nullptr;
@@ -146,6 +148,7 @@ struct TreeArgs {
   const void* draft_probs = nullptr;        // [B, N, V] or null: deterministic candidates
   Dtype draft_probs_dtype = Dtype::kFloat32;
   DraftSampling draft_sampling = DraftSampling::kIid;
+  TreeMethod method = TreeMethod::kToken;
   RequestParams params{};
   Logprobs logprobs_kind = Logprobs::kNone;
   int32_t* output_token_ids = nullptr;  // [B, N]

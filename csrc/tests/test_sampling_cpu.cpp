@@ -250,8 +250,8 @@ void test_verify_tree_known_answers_and_garbage() {
   CHECK_EQ(accepted[0], 2);
   CHECK(logprobs[0] == 0.0f && logprobs[2] == 0.0f && std::isnan(logprobs[3]));
   // Garbage trees (parents and ids anywhere, num_nodes outside 1..N) with i.i.d. and
-  // without-replacement drafts (NaN and negative probabilities): ids stay in [-1, V), nodes in
-  // [-1, N) (ASan checks the reads).
+  // without-replacement drafts (NaN and negative probabilities), token walk and traversal:
+  // ids stay in [-1, V), nodes in [-1, N) (ASan checks the reads).
   std::mt19937_64 rng(11);
   const int64_t batch = 16, nodes = 6, vocab = 37;
   std::vector<float> logits(batch * nodes * vocab), q(batch * nodes * vocab);
@@ -276,7 +276,7 @@ void test_verify_tree_known_answers_and_garbage() {
   }
   std::vector<int32_t> o(batch * nodes), pa(batch * nodes), acc(batch);
   std::vector<float> lp(batch * nodes);
-  for (int kind = 0; kind < 3; ++kind) {
+  for (int kind = 0; kind < 5; ++kind) {  // deterministic, iid, wor; traversal iid, wor
     TreeArgs g;
     g.batch = batch;
     g.num_nodes = nodes;
@@ -286,7 +286,8 @@ void test_verify_tree_known_answers_and_garbage() {
     g.parents = garbage_parents.data();
     g.live_nodes = lives.data();
     g.draft_probs = kind == 0 ? nullptr : q.data();
-    g.draft_sampling = kind == 2 ? DraftSampling::kWithoutReplacement : DraftSampling::kIid;
+    g.draft_sampling = kind % 2 == 0 ? DraftSampling::kWithoutReplacement : DraftSampling::kIid;
+    g.method = kind >= 3 ? TreeMethod::kTraversal : TreeMethod::kToken;
     g.params = RequestParams{temps.data(), ks.data(), ps.data(), nullptr, seeds.data(),
                              offsets.data()};
     g.logprobs_kind = Logprobs::kRaw;

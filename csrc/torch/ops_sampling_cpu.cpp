@@ -247,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_sample(
   return {tokens, logprobs};
 }
 
-// verify_tree, method "token": target [B, N, V], ids / parents [B, N] (any values: nodes that
+// verify_tree (method 0 token, 1 traversal): target [B, N, V], ids / parents [B, N] (any values: nodes that
 // are not part of a tree are skipped, never read past), draft_probs [B, N, V] or none.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cpu_verify_tree(
     const at::Tensor& target_logits, const at::Tensor& tree_token_ids, const at::Tensor& parents,
@@ -255,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cpu_verify_tree(
     const at::Tensor& num_nodes, const at::Tensor& temperature, const at::Tensor& top_k,
     const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
-    const at::Tensor& offset, int64_t logprobs_kind) {
+    const at::Tensor& offset, int64_t method, int64_t logprobs_kind) {
   TORCH_CHECK(target_logits.dim() == 3 && target_logits.size(1) >= 1 &&
                   target_logits.size(2) >= 1,
               "target_logits must be [B, N, V], got ", target_logits.sizes());
@@ -288,6 +288,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cpu_verify_tree(
   }
   args.draft_sampling = without_replacement ? cpu::DraftSampling::kWithoutReplacement
                                             : cpu::DraftSampling::kIid;
+  TORCH_CHECK(method == 0 || (method == 1 && draft_probs.has_value()),
+              "method must be 0 (token) or 1 (traversal, with draft_probs)");
+  args.method = static_cast<cpu::TreeMethod>(method);
   args.params = params.view();
   args.logprobs_kind = logprobs_of(logprobs_kind);
   at::Tensor out = at::empty({batch, nodes}, target.options().dtype(at::kInt));
@@ -373,7 +376,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "cpu_verify_tree(Tensor target_logits, Tensor tree_token_ids, Tensor parents, "
       "Tensor? draft_probs, int without_replacement, Tensor num_nodes, Tensor temperature, "
       "Tensor top_k, Tensor top_p, Tensor? min_p, Tensor? token_bitmask, Tensor seed, "
-      "Tensor offset, int logprobs) -> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor offset, int method, int logprobs) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "cpu_processed_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
       "Tensor? min_p, Tensor? token_bitmask) -> Tensor");
