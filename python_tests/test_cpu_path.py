@@ -253,15 +253,16 @@ def _assert_logprobs_close(got, want, same_tokens):
     assert torch.allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("method", ("token", "traversal"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("vocab", [1, 7, 3001])
-def test_verify_tree_equals_reference(dtype, vocab):
-    """Deterministic, i.i.d. and without-replacement trees with padding (num_nodes), mixed
-    greedy/T/top-k/top-p/min-p, a bitmask, both log-probability kinds."""
+def test_verify_tree_equals_reference(dtype, vocab, method):
+    """Deterministic (token walk only), i.i.d. and without-replacement trees with padding
+    (num_nodes), mixed greedy/T/top-k/top-p/min-p, a bitmask, both log-probability kinds."""
     from test_triton_tree import random_trees
     batch, nodes = 20, 9
     compared = differing = 0
-    for mode in TREE_MODES:
+    for mode in TREE_MODES[method == "traversal":]:
         target, tokens, parents, q, num_nodes = random_trees(batch, nodes, vocab, mode,
                                                              seed=vocab + len(mode))
         gen = torch.Generator().manual_seed(vocab)
@@ -274,7 +275,7 @@ def test_verify_tree_equals_reference(dtype, vocab):
                                                         draft_sampling=mode)
         for more, kind in (({}, "processed"), (dict(token_bitmask=bitmask), "raw")):
             common = dict(num_nodes=num_nodes, seed=torch.arange(batch) * 7 + vocab, offset=5,
-                          return_logprobs=kind, **params, **extra, **more)
+                          method=method, return_logprobs=kind, **params, **extra, **more)
             args = (target.to(dtype), tokens, parents)
             got = sk.verify_tree(*args, **common)
             want = sk.verify_tree(*args, backend="reference", **common)
@@ -481,39 +482,7 @@ def test_cpp_block_tokens_follow_target(mode):
     assert closed["block"] > closed["token"] + 10 * sd
 
 
-# ---- method="traversal" in C++ ----
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("vocab", [7, 3001])
-def test_traversal_equals_reference(dtype, vocab):
-    """Traversal verification in C++ == the reference: i.i.d. and without-replacement trees with
-    padding, mixed greedy/T/top-k/top-p/min-p, a bitmask, both log-probability kinds."""
-    from test_triton_tree import random_trees
-    batch, nodes = 20, 9
-    compared = differing = 0
-    for mode in ("iid", "without_replacement"):
-        target, tokens, parents, q, num_nodes = random_trees(batch, nodes, vocab, mode,
-                                                             seed=vocab + 2 * len(mode))
-        gen = torch.Generator().manual_seed(vocab + 5)
-        params = mixed_params(batch, vocab, gen)
-        params["min_p"] = torch.where(torch.arange(batch) % 7 == 6, 0.05, 0.0)
-        bitmask = torch.randint(-2**31, 2**31 - 1, (batch, nodes, (vocab + 31) // 32),
-                                generator=gen, dtype=torch.int64).to(torch.int32)
-        bitmask[::2] = -1
-        for more, kind in (({}, "processed"), (dict(token_bitmask=bitmask), "raw")):
-            common = dict(num_nodes=num_nodes, seed=torch.arange(batch) * 5 + vocab, offset=2,
-                          draft_probs=q.to(dtype), draft_sampling=mode, method="traversal",
-                          return_logprobs=kind, **params, **more)
-            args = (target.to(dtype), tokens, parents)
-            got = sk.verify_tree(*args, **common)
-            want = sk.verify_tree(*args, backend="reference", **common)
-            compared += batch
-            differing += _tree_differing(got, want)
-            assert bool(((got.output_token_ids >= -1) & (got.output_token_ids < vocab)).all())
-            _assert_logprobs_close(got.logprobs, want.logprobs,
-                                   (got.output_token_ids == want.output_token_ids).all(-1))
-    assert differing <= MAX_DIFFERING * compared + 1, (differing, compared)
-
-
+# ---- method="traversal" in C++ (its == reference test: test_verify_tree_equals_reference) ----
 def test_chain_shaped_traversal_equals_block():
     """A chain-shaped tree under traversal gives verify_chain(method="block")'s tokens on the
     C++ path (i.i.d. and without replacement: one child per node, the same law)."""
