@@ -1,6 +1,7 @@
 """The C++ CPU path (``specdec_kernels._cpu``, csrc/core/sampling_cpu.*) behind
 ``backend="auto"`` on CPU tensors: its random numbers bit for bit against ``_rng``, and its
-tokens against the reference's across modes, dtypes, odd vocabularies and garbage inputs.
+tokens (chains, trees, samples) and log-probabilities against the reference's across modes,
+dtypes, odd vocabularies and garbage inputs.
 Tokens may differ only at decisions within float rounding of a threshold (its exp, its sums
 and Sleef's log differ from torch's by ulps); the tests count differing requests and bound
 them at 1%."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scipy import stats
 
 import specdec_kernels as sk
 from specdec_kernels import _cpu, _params, _rng
@@ -162,27 +164,39 @@ def test_garbage_inputs_unvalidated():
 
 
 def test_dispatch_and_fallbacks(monkeypatch):
-    """auto on CPU runs the C++ path where it covers the call; logprobs, float64 draft probs and
-    backend="reference" take the reference; bad input raises as before."""
+    """auto on CPU runs the C++ path where it covers the call (logprobs included); float64
+    draft probs, the methods it lacks and backend="reference" take the reference; bad input
+    raises as before."""
     calls = []
-    real = _cpu.verify_chain
-    monkeypatch.setattr(_cpu, "verify_chain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("verify_chain", "verify_tree", "sample"):
+        real = getattr(_cpu, name)
+        monkeypatch.setattr(_cpu, name, lambda *a, _real=real, _name=name, **k:
+                            calls.append(_name) or _real(*a, **k))
     target = torch.randn(2, 3, 50)
     ids = torch.randint(0, 50, (2, 2))
     sk.verify_chain(target, ids, seed=1)
-    assert calls == [1]
-    sk.verify_chain(target, ids, seed=1, backend="reference")
     sk.verify_chain(target, ids, seed=1, return_logprobs="raw")
+    assert calls == ["verify_chain"] * 2
+    sk.verify_chain(target, ids, seed=1, backend="reference")
     sk.verify_chain(target, ids, seed=1, draft_probs=torch.rand(2, 2, 50, dtype=torch.float64))
-    assert calls == [1]
+    assert calls == ["verify_chain"] * 2
+    tree_ids, parents = torch.tensor([[-1, 3, 4]] * 2), torch.tensor([[-1, 0, 0]] * 2)
+    q = torch.softmax(torch.randn(2, 3, 50), -1)
+    sk.verify_tree(target, tree_ids, parents, seed=1, return_logprobs="processed")
+    sk.verify_tree(target, tree_ids, parents, seed=1, draft_probs=q, method="traversal")
+    assert calls[-2:] == ["verify_tree"] * 2
+    del calls[:]
+    sk.verify_tree(target, tree_ids, parents, seed=1, draft_probs=q.double())
+    sk.verify_tree(target, tree_ids, parents, seed=1, backend="reference")
+    assert calls == []
     with pytest.raises(ValueError, match="num_draft_tokens"):
         sk.verify_chain(target, ids, num_draft_tokens=3)
     with pytest.raises(ValueError, match="draft_token_ids"):
         sk.verify_chain(target, torch.tensor([[0, 50], [1, 1]]))
     with pytest.raises(ValueError, match="top_p"):
         sk.sample(target[:, 0], top_p=torch.tensor([0.5, 1.5]))
-    out = sk.sample(target[:, 0], seed=1, return_logprobs="processed")  # reference path
-    assert isinstance(out, sk.SampleOutput)
+    out = sk.sample(target[:, 0], seed=1, return_logprobs="processed")
+    assert isinstance(out, sk.SampleOutput) and calls == ["sample"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -217,3 +231,309 @@ def test_cpp_chain_tokens_follow_target(mode):
         assert pvalue > ALPHA, (j, pvalue)
         if j == 0:
             assert power >= 0.99
+
+
+# ---- verify_tree (method "token") and return_logprobs in C++ ----
+TREE_MODES = ("deterministic", "iid", "without_replacement")
+
+
+def _tree_differing(a, b) -> int:
+    return int(((a.output_token_ids != b.output_token_ids).any(-1)
+                | (a.accepted_nodes != b.accepted_nodes).any(-1)
+                | (a.num_accepted != b.num_accepted)).sum())
+
+
+def _assert_logprobs_close(got, want, same_tokens):
+    """Log-probabilities agree where the tokens agree: NaN at the same places, else within
+    float rounding (exp, sums and log differ from torch's by ulps)."""
+    got, want = got[same_tokens], want[same_tokens]
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = want.isfinite()
+    assert torch.equal(got.isfinite(), finite)
+    assert torch.allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ("token", "traversal"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("vocab", [1, 7, 3001])
+def test_verify_tree_equals_reference(dtype, vocab, method):
+    """Deterministic (token walk only), i.i.d. and without-replacement trees with padding
+    (num_nodes), mixed greedy/T/top-k/top-p/min-p, a bitmask, both log-probability kinds."""
+    from test_triton_tree import random_trees
+    batch, nodes = 20, 9
+    compared = differing = 0
+    for mode in TREE_MODES[method == "traversal":]:
+        target, tokens, parents, q, num_nodes = random_trees(batch, nodes, vocab, mode,
+                                                             seed=vocab + len(mode))
+        gen = torch.Generator().manual_seed(vocab)
+        params = mixed_params(batch, vocab, gen)
+        params["min_p"] = torch.where(torch.arange(batch) % 7 == 6, 0.05, 0.0)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (batch, nodes, (vocab + 31) // 32),
+                                generator=gen, dtype=torch.int64).to(torch.int32)
+        bitmask[::2] = -1
+        extra = {} if mode == "deterministic" else dict(draft_probs=q.to(dtype),
+                                                        draft_sampling=mode)
+        for more, kind in (({}, "processed"), (dict(token_bitmask=bitmask), "raw")):
+            common = dict(num_nodes=num_nodes, seed=torch.arange(batch) * 7 + vocab, offset=5,
+                          method=method, return_logprobs=kind, **params, **extra, **more)
+            args = (target.to(dtype), tokens, parents)
+            got = sk.verify_tree(*args, **common)
+            want = sk.verify_tree(*args, backend="reference", **common)
+            compared += batch
+            differing += _tree_differing(got, want)
+            assert bool(((got.output_token_ids >= -1) & (got.output_token_ids < vocab)).all())
+            same = (got.output_token_ids == want.output_token_ids).all(-1)
+            _assert_logprobs_close(got.logprobs, want.logprobs, same)
+    assert differing <= MAX_DIFFERING * compared + 1, (differing, compared)
+
+
+def test_chain_shaped_tree_equals_verify_chain():
+    """A chain-shaped tree gives verify_chain's tokens on the C++ path (one-hot drafts as
+    deterministic candidates, draft_probs as i.i.d. / without-replacement trees), N = 1 too."""
+    gen = torch.Generator().manual_seed(8)
+    batch, vocab = 30, 517
+    for drafts in (0, 4):
+        target, draft_logits, ids = _inputs(batch, drafts, vocab, torch.float32, gen)
+        params = mixed_params(batch, vocab, gen)
+        q = torch.softmax(draft_logits, -1)
+        parents = torch.arange(-1, drafts)[None].expand(batch, -1)
+        tree_ids = torch.cat([torch.full((batch, 1), -1), ids], 1)
+        num = torch.randint(0, drafts + 1, (batch,), generator=gen)
+        for probs, sampling in ((None, "iid"), (q, "iid"), (q, "without_replacement")):
+            common = dict(seed=torch.arange(batch), offset=2, **params)
+            chain = sk.verify_chain(target, ids, num_draft_tokens=num, draft_probs=probs,
+                                    return_logprobs="processed", **common)
+            padded = None if probs is None else torch.cat([q, torch.zeros(batch, 1, vocab)], 1)
+            tree = sk.verify_tree(target, tree_ids, parents, num_nodes=num + 1,
+                                  draft_probs=padded, draft_sampling=sampling,
+                                  return_logprobs="processed", **common)
+            assert torch.equal(tree.output_token_ids, chain.output_token_ids)
+            assert torch.equal(tree.num_accepted, chain.num_accepted)
+            assert torch.allclose(tree.logprobs, chain.logprobs, equal_nan=True)
+
+
+def test_tree_garbage_unvalidated():
+    """validate=False: garbage parents (>= i, negative, huge), ids outside [0, V), num_nodes
+    outside 1..N and NaN/negative draft probs give the reference's answer, in bounds (token
+    walk and traversal)."""
+    from test_triton_tree import random_trees
+    batch, nodes, vocab = 24, 7, 301
+    gen = torch.Generator().manual_seed(6)
+    for mode, method in [(mode, "token") for mode in TREE_MODES] + [
+            ("iid", "traversal"), ("without_replacement", "traversal")]:
+        target, tokens, parents, q, num_nodes = random_trees(batch, nodes, vocab, mode, seed=6)
+        parents[0, 3], parents[1, 2], parents[2, 4] = 5, -7, 2**40
+        tokens[3, 1], tokens[4, 2], tokens[5, 5] = -3, vocab, 2**35
+        parents[6, 0], tokens[7, 0] = 3, vocab + 9  # the root's entries are ignored
+        num_nodes = num_nodes.clone()
+        num_nodes[8], num_nodes[9] = -4, 99
+        q = q.clone()
+        q[10, 0, :20] = float("nan")
+        q[11] = -q[11]
+        extra = {} if mode == "deterministic" else dict(draft_probs=q, draft_sampling=mode)
+        common = dict(num_nodes=num_nodes, seed=torch.randint(0, 2**60, (batch,), generator=gen),
+                      validate=False, temperature=torch.rand(batch, generator=gen) + 0.2,
+                      method=method, **extra)
+        got = sk.verify_tree(target, tokens, parents, **common)
+        want = sk.verify_tree(target, tokens, parents, backend="reference", **common)
+        assert _tree_differing(got, want) == 0
+        assert bool(((got.output_token_ids >= -1) & (got.output_token_ids < vocab)).all())
+        assert bool(((got.accepted_nodes >= -1) & (got.accepted_nodes < nodes)).all())
+
+
+@pytest.mark.parametrize("kind", ("processed", "raw"))
+def test_chain_and_sample_logprobs_equal_reference(kind):
+    """return_logprobs in C++: verify_chain (modes, bitmask), verify_chain_packed and sample,
+    bf16 and fp32, NaN rows and NaN at -1."""
+    gen = torch.Generator().manual_seed(10)
+    batch, drafts, vocab = 20, 3, 1029
+    for dtype in (torch.float32, torch.bfloat16):
+        target, draft_logits, ids = _inputs(batch, drafts, vocab, dtype, gen)
+        params = mixed_params(batch, vocab, gen)
+        params["min_p"] = torch.where(torch.arange(batch) % 6 == 5, 0.1, 0.0)
+        num = torch.randint(0, drafts + 1, (batch,), generator=gen)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (batch, drafts + 1, (vocab + 31) // 32),
+                                generator=gen, dtype=torch.int64).to(torch.int32)
+        for extra in ({}, dict(draft_logits=draft_logits), dict(token_bitmask=bitmask)):
+            common = dict(num_draft_tokens=num, seed=torch.arange(batch), return_logprobs=kind,
+                          **params, **extra)
+            got = sk.verify_chain(target, ids, **common)
+            want = sk.verify_chain(target, ids, backend="reference", **common)
+            assert _differing(got, want) <= MAX_DIFFERING * batch + 1
+            _assert_logprobs_close(got.logprobs, want.logprobs,
+                                   (got.output_token_ids == want.output_token_ids).all(-1))
+        logits = target[:, 0].clone()
+        logits[2] = float("nan")
+        common = dict(seed=torch.arange(batch), return_logprobs=kind, **params)
+        got = sk.sample(logits, **common)
+        want = sk.sample(logits, backend="reference", **common)
+        assert bool(got.logprobs[2].isnan())
+        _assert_logprobs_close(got.logprobs, want.logprobs, got.token_ids == want.token_ids)
+    counts = [0, 3, 1, 2]
+    cu = torch.tensor([0] + counts).cumsum(0)
+    packed = torch.randn(sum(counts) + len(counts), vocab, generator=gen) * 3
+    packed_ids = torch.randint(0, vocab, (sum(counts),), generator=gen)
+    common = dict(max_draft_tokens=3, seed=4, top_k=30, return_logprobs=kind)
+    got = sk.verify_chain_packed(packed, packed_ids, cu, **common)
+    want = sk.verify_chain_packed(packed, packed_ids, cu, backend="reference", **common)
+    assert _differing(got, want) == 0
+    _assert_logprobs_close(got.logprobs, want.logprobs, torch.ones(len(counts), dtype=torch.bool))
+
+
+@pytest.mark.parametrize("mode", TREE_MODES)
+def test_cpp_tree_tokens_follow_target(monkeypatch, mode):
+    """The C++ tree walk's law: test_tree_reference's chi-square of the first token and of the
+    token after an accepted node (60k trees, alpha 1e-3 / 6 per test, power >= 0.99 against
+    the mode's planted bug, whose law is enumerated exactly), through backend="auto"."""
+    import test_tree_reference as tree_tests
+    toy = tree_tests._case(mode, tree_tests.SAMPLED_PARAMS, seed=2)
+    T0, T1, _ = toy.tables()
+    with monkeypatch.context() as patched:
+        _, sampling = tree_tests._plant(patched, tree_tests.BUG_OF_MODE[mode])
+        _, bug_first, bug_second, _ = tree_tests.enumerate_law(toy, sampling)
+    out = tree_tests.sample_round(toy, tree_tests.SAMPLED_BATCH, seed=3, backend="auto")
+    first, second = tree_tests._sampled_counts(out, toy.vocab)
+    p_first, power_first = tree_tests._chi_square(first, T0[None], bug_first[None])
+    p_second, power_second = tree_tests._chi_square(second, T1,
+                                                    tree_tests._conditional(bug_second))
+    assert p_first > tree_tests.ALPHA_TEST and p_second > tree_tests.ALPHA_TEST
+    assert max(power_first, power_second) >= 0.99
+
+
+# ---- method="block" in C++ ----
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("vocab", [1, 7, 3001])
+def test_block_chain_equals_reference(dtype, vocab):
+    """Block verification in C++ == the reference: one-hot, draft_probs, draft_logits and
+    bitmask modes, mixed greedy/T/top-k/top-p/min-p, ragged num_draft_tokens with invalid
+    drafts (garbage ids, validate=False), log-probabilities."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    batch, drafts = 20, 4
+    target, draft_logits, ids = _inputs(batch, drafts, vocab, dtype, gen)
+    # Drafts close to the target make later tests pass after an early failure.
+    draft_logits = (target[:, :drafts].float() + 0.5 * draft_logits.float()).to(dtype)
+    ids[3, 2], ids[5, 0] = -1, vocab + 3
+    params = mixed_params(batch, vocab, gen)
+    params["min_p"] = torch.where(torch.arange(batch) % 7 == 6, 0.05, 0.0)
+    num = torch.randint(0, drafts + 1, (batch,), generator=gen)
+    num[: batch // 2] = drafts
+    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, drafts + 1, (vocab + 31) // 32),
+                            generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[::2] = -1
+    probs = ref_sampling.processed_probs(draft_logits, params["temperature"], params["top_k"],
+                                         params["top_p"])
+    compared = differing = 0
+    for mode, kind in (("one_hot", None), ("draft_probs", "processed"),
+                       ("draft_logits", "raw"), ("bitmask", "processed")):
+        extra = {"draft_probs": dict(draft_probs=probs.to(dtype)),
+                 "draft_logits": dict(draft_logits=draft_logits),
+                 "bitmask": dict(token_bitmask=bitmask, draft_probs=probs)}.get(mode, {})
+        common = dict(num_draft_tokens=num, seed=torch.arange(batch) * 3, offset=1,
+                      method="block", validate=False, return_logprobs=kind, **params, **extra)
+        got = sk.verify_chain(target, ids, **common)
+        want = sk.verify_chain(target, ids, backend="reference", **common)
+        compared += batch
+        differing += _differing(got, want)
+        assert bool(((got.output_token_ids >= -1) & (got.output_token_ids < vocab)).all())
+        if kind is not None:
+            _assert_logprobs_close(got.logprobs, want.logprobs,
+                                   (got.output_token_ids == want.output_token_ids).all(-1))
+    assert differing <= MAX_DIFFERING * compared + 1, (differing, compared)
+
+
+def test_block_packed_equals_reference():
+    gen = torch.Generator().manual_seed(12)
+    vocab, counts = 1001, [0, 4, 1, 3, 2, 4]
+    batch, total = len(counts), sum(counts)
+    cu = torch.tensor([0] + counts).cumsum(0)
+    target = torch.randn(total + batch, vocab, generator=gen) * 2
+    draft_logits = torch.randn(total, vocab, generator=gen) * 2
+    ids = torch.randint(0, vocab, (total,), generator=gen)
+    for extra in ({}, dict(draft_logits=draft_logits)):
+        kwargs = dict(max_draft_tokens=4, seed=torch.arange(batch), method="block",
+                      return_logprobs="processed", **extra)
+        got = sk.verify_chain_packed(target, ids, cu, **kwargs)
+        want = sk.verify_chain_packed(target, ids, cu, backend="reference", **kwargs)
+        assert _differing(got, want) == 0
+        _assert_logprobs_close(got.logprobs, want.logprobs, torch.ones(batch, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("mode", ("draft_probs", "draft_logits"))
+def test_cpp_block_tokens_follow_target(mode):
+    """The C++ block law: test_block_traversal's statistic through backend="auto" (40k
+    requests, chi-square per position at alpha = 1e-4, power >= 0.99 at TV >= 0.02 for the
+    first token; its planted bug h = w fails it), and the mean accepted length above the token
+    rule's exact expectation (normal test at alpha = 1e-4)."""
+    from test_block_traversal import _context_free_expectation
+    batch, vocab, num_drafts = 40_000, 6, 3
+    params = (1.0, 0, 1.0) if mode == "draft_probs" else (0.8, 4, 0.9)
+    out, p, q = _context_free_round(mode, params, batch, vocab, num_drafts, method="block",
+                                    backend="auto")
+    tokens, accepted = out.output_token_ids.long(), out.num_accepted.long()
+    for j in range(num_drafts + 1):
+        reached = accepted >= j
+        pvalue, power = _chi_square(torch.bincount(tokens[reached, j], minlength=vocab), p[j])
+        assert pvalue > ALPHA, (j, pvalue)
+        if j == 0:
+            assert power >= 0.99
+    closed = _context_free_expectation(p, q)
+    sd = float(accepted.double().std()) / batch ** 0.5
+    assert abs(float(accepted.double().mean()) - closed["block"]) <= stats.norm.isf(ALPHA / 2) * sd
+    assert closed["block"] > closed["token"] + 10 * sd
+
+
+# ---- method="traversal" in C++ (its == reference test: test_verify_tree_equals_reference) ----
+def test_chain_shaped_traversal_equals_block():
+    """A chain-shaped tree under traversal gives verify_chain(method="block")'s tokens on the
+    C++ path (i.i.d. and without replacement: one child per node, the same law)."""
+    gen = torch.Generator().manual_seed(9)
+    batch, vocab, drafts = 40, 301, 4
+    target, draft_logits, ids = _inputs(batch, drafts, vocab, torch.float32, gen)
+    draft_logits = target[:, :drafts] + 0.5 * draft_logits
+    q = torch.softmax(draft_logits, -1)
+    params = mixed_params(batch, vocab, gen)
+    parents = torch.arange(-1, drafts)[None].expand(batch, -1)
+    tree_ids = torch.cat([torch.full((batch, 1), -1), ids], 1)
+    num = torch.randint(0, drafts + 1, (batch,), generator=gen)
+    num[: batch // 2] = drafts
+    common = dict(seed=torch.arange(batch), offset=4, return_logprobs="processed", **params)
+    chain = sk.verify_chain(target, ids, num_draft_tokens=num, draft_probs=q, method="block",
+                            **common)
+    for sampling in ("iid", "without_replacement"):
+        tree = sk.verify_tree(target, tree_ids, parents, num_nodes=num + 1,
+                              draft_probs=torch.cat([q, torch.zeros(batch, 1, vocab)], 1),
+                              draft_sampling=sampling, method="traversal", **common)
+        assert torch.equal(tree.output_token_ids, chain.output_token_ids)
+        assert torch.equal(tree.num_accepted, chain.num_accepted)
+        assert torch.allclose(tree.logprobs, chain.logprobs, equal_nan=True)
+
+
+@pytest.mark.parametrize("mode", ("iid", "without_replacement"))
+def test_cpp_traversal_tokens_follow_target(monkeypatch, mode):
+    """The C++ traversal law: test_block_traversal's statistic through backend="auto" (20k
+    trees, chi-square of the first token and of the token after an accepted first node at
+    alpha = 1e-3/4 each, power >= 0.99 against the 'final-from-original-row' bug whose law is
+    enumerated) and the mean accepted length against its exact expectation."""
+    import test_block_traversal as bt
+    import test_tree_reference as tree_tests
+    from specdec_kernels.reference import tree as ref_tree
+    toy = bt.ToyTree(4, 2, (1.0, 0, 1.0), mode)
+    T0, T1, _ = toy.tables()
+    exact = bt.enumerate_traversal(toy)
+    with monkeypatch.context() as patched:
+        patched.setattr(ref_tree, *bt.TRAVERSAL_BUGS["final-from-original-row"][1])
+        bug = bt.enumerate_traversal(toy)
+    batch = 20_000
+    out = tree_tests.sample_round(toy, batch, seed=5, method="traversal", backend="auto")
+    first, second = tree_tests._sampled_counts(out, toy.vocab)
+    with monkeypatch.context() as patched:
+        patched.setattr(tree_tests, "ALPHA_TEST", bt.TRAVERSAL_ALPHA)
+        p_first, power_first = tree_tests._chi_square(first, T0[None], bug.first[None])
+        p_second, power_second = tree_tests._chi_square(second, T1,
+                                                        tree_tests._conditional(bug.second))
+    assert p_first > bt.TRAVERSAL_ALPHA and p_second > bt.TRAVERSAL_ALPHA
+    assert max(power_first, power_second) >= 0.99
+    accepted = out.num_accepted.double()
+    sd = float(accepted.std()) / batch ** 0.5
+    assert abs(float(accepted.mean()) - exact.mean_accepted) <= \
+        stats.norm.isf(bt.TRAVERSAL_ALPHA / 2) * sd

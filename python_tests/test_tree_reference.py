@@ -277,9 +277,10 @@ SAMPLED_BATCH = 60_000
 SAMPLED_PARAMS = (1.0, 0, 1.0)
 
 
-def sample_round(toy: ToyTree, batch: int, seed: int, draft_sampling=None, method="token"):
+def sample_round(toy: ToyTree, batch: int, seed: int, draft_sampling=None, method="token",
+                 backend="reference"):
     """Draw ``batch`` trees from the drafter (torch's sampler) and verify them through the
-    public API with float32 logits ``log p``. Returns the TreeVerifyOutput."""
+    public API with float32 logits ``log p`` on ``backend``. Returns the TreeVerifyOutput."""
     gen = torch.Generator().manual_seed(seed)
     nodes, vocab = len(toy.parents), toy.vocab
     tokens = torch.zeros(batch, nodes, dtype=torch.int64)
@@ -302,7 +303,7 @@ def sample_round(toy: ToyTree, batch: int, seed: int, draft_sampling=None, metho
                           draft_sampling=draft_sampling or
                           ("iid" if toy.mode == "deterministic" else toy.mode),
                           temperature=t, top_k=k, top_p=p, seed=torch.arange(batch) + seed,
-                          offset=11, method=method, backend="reference")
+                          offset=11, method=method, backend=backend)
 
 
 def _chi_square(counts: torch.Tensor, expected_law: torch.Tensor, bug_law: torch.Tensor):

@@ -1,12 +1,14 @@
 """The C++ CPU path (``csrc/core/sampling_cpu.*``) behind ``backend="auto"`` on CPU tensors.
 
-It runs ``verify_chain`` (and ``verify_chain_packed``, in place) and ``sample`` for float32,
+It runs ``verify_chain`` (and ``verify_chain_packed``, in place; methods ``"token"`` and
+``"block"``), ``verify_tree`` (``"token"`` and ``"traversal"``) and ``sample`` for float32,
 bfloat16 and float16 logits: one-hot, ``draft_probs`` (float32/bf16/fp16) and
-``draft_logits`` drafts, greedy and sampled requests, temperature, top-k, top-p, min-p and
-``token_bitmask``. Everything else takes the reference (the definition): ``return_logprobs``,
-float64 logits or draft probabilities, ``verify_tree``, and ``processed_probs`` (which has no
-backend argument and stays the definition). ``backend="reference"`` is always the pure-PyTorch
-path. The arguments arrive parsed (``_params``) and validated as for the other backends.
+``draft_logits`` drafts, deterministic, i.i.d. and without-replacement trees, greedy and
+sampled requests, temperature, top-k, top-p, min-p, ``token_bitmask`` and
+``return_logprobs``. Everything else takes the reference (the definition): float64 logits or
+draft probabilities, and ``processed_probs`` (which has no backend argument and stays the
+definition). ``backend="reference"`` is always the pure-PyTorch path. The arguments arrive
+parsed (``_params``) and validated as for the other backends.
 """
 from __future__ import annotations
 
@@ -15,9 +17,21 @@ import torch
 from . import _extension
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_LOGPROBS = {None: 0, "processed": 1, "raw": 2}
+CHAIN_METHODS = {"token": 0, "block": 1}
+TREE_METHODS = {"token": 0, "traversal": 1}
 
-AVAILABLE = _extension.HAS_EXTENSION and torch._C._dispatch_has_kernel_for_dispatch_key(
-    "specdec::cpu_verify_chain", "CPU")
+
+
+def _registered() -> bool:
+    """Whether the extension has this module's ops (an older build lacks cpu_verify_tree)."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("specdec::cpu_verify_tree", "CPU")
+    except RuntimeError:  # no such operator
+        return False
+
+
+AVAILABLE = _extension.HAS_EXTENSION and _registered()
 
 
 def selected(backend: str, device: torch.device) -> bool:
@@ -25,34 +39,61 @@ def selected(backend: str, device: torch.device) -> bool:
     return AVAILABLE and backend == "auto" and device.type == "cpu"
 
 
-def runs_chain(target_logits, draft_probs, return_logprobs) -> bool:
+def runs_chain(target_logits, draft_probs, method) -> bool:
     """Whether the C++ chain covers this (parsed) call."""
-    return (return_logprobs is None and target_logits.dtype in _FLOATS
+    return (method in CHAIN_METHODS and target_logits.dtype in _FLOATS
             and (draft_probs is None or draft_probs.dtype in _FLOATS))
 
 
-def runs_sample(logits, return_logprobs) -> bool:
-    return return_logprobs is None and logits.dtype in _FLOATS
+def runs_tree(target_logits, draft_probs, method) -> bool:
+    return runs_chain(target_logits, draft_probs, "token") and method in TREE_METHODS
+
+
+def runs_sample(logits) -> bool:
+    return logits.dtype in _FLOATS
+
+
+def _logprobs(values, return_logprobs):
+    return None if return_logprobs is None else values
 
 
 def verify_chain(target_logits, draft_token_ids, draft_probs, draft_logits, n, params, seeds,
-                 offsets, token_bitmask, layout=None):
-    """``(output_token_ids, num_accepted)``; ``layout``: packed inputs, read in place."""
+                 offsets, token_bitmask, layout=None, method="token", return_logprobs=None):
+    """``(output_token_ids, num_accepted, logprobs)``; ``layout``: packed inputs, read in
+    place."""
     min_p = params.min_p if params.uses_min_p else None
+    flags = (CHAIN_METHODS[method], _LOGPROBS[return_logprobs])
     if layout is not None:
-        return torch.ops.specdec.cpu_verify_chain_packed(
+        out, accepted, logprobs = torch.ops.specdec.cpu_verify_chain_packed(
             target_logits, draft_token_ids, draft_probs, draft_logits, layout.target_rows,
             layout.draft_rows, n, params.temperature, params.top_k, params.top_p, min_p,
-            token_bitmask, seeds, offsets)
-    return torch.ops.specdec.cpu_verify_chain(
-        target_logits, draft_token_ids, draft_probs, draft_logits, n, params.temperature,
-        params.top_k, params.top_p, min_p, token_bitmask, seeds, offsets)
+            token_bitmask, seeds, offsets, *flags)
+    else:
+        out, accepted, logprobs = torch.ops.specdec.cpu_verify_chain(
+            target_logits, draft_token_ids, draft_probs, draft_logits, n, params.temperature,
+            params.top_k, params.top_p, min_p, token_bitmask, seeds, offsets, *flags)
+    return out, accepted, _logprobs(logprobs, return_logprobs)
 
 
-def sample(logits, params, seeds, offsets, token_bitmask):
+def verify_tree(target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
+                params, seeds, offsets, token_bitmask, return_logprobs, method="token"):
+    """``(output_token_ids, accepted_nodes, num_accepted, logprobs)``."""
     min_p = params.min_p if params.uses_min_p else None
-    return torch.ops.specdec.cpu_sample(logits, params.temperature, params.top_k, params.top_p,
-                                        min_p, token_bitmask, seeds, offsets)
+    out, path, accepted, logprobs = torch.ops.specdec.cpu_verify_tree(
+        target_logits, tree_token_ids, parents, draft_probs,
+        int(draft_sampling == "without_replacement"), num_nodes, params.temperature,
+        params.top_k, params.top_p, min_p, token_bitmask, seeds, offsets, TREE_METHODS[method],
+        _LOGPROBS[return_logprobs])
+    return out, path, accepted, _logprobs(logprobs, return_logprobs)
+
+
+def sample(logits, params, seeds, offsets, token_bitmask, return_logprobs=None):
+    """int32 tokens ``[B]``, or ``(tokens, logprobs)`` with ``return_logprobs``."""
+    min_p = params.min_p if params.uses_min_p else None
+    tokens, logprobs = torch.ops.specdec.cpu_sample(
+        logits, params.temperature, params.top_k, params.top_p, min_p, token_bitmask, seeds,
+        offsets, _LOGPROBS[return_logprobs])
+    return tokens if return_logprobs is None else (tokens, logprobs)
 
 
 def processed_probs(logits, params, token_bitmask=None):

@@ -270,11 +270,11 @@ def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_lo
                cpp: bool = False) -> ChainVerifyOutput:
     """The parsed call on its backend; ``layout``: the inputs are packed; ``method``: token or
     block verification (the one internal entry point of both layouts); ``cpp``: the C++ CPU
-    path where it covers the call (``_cpu``: token verification)."""
-    if cpp and method == "token" and _cpu.runs_chain(target_logits, draft_probs, return_logprobs):
+    path where it covers the call (``_cpu``)."""
+    if cpp and _cpu.runs_chain(target_logits, draft_probs, method):
         return ChainVerifyOutput(*_cpu.verify_chain(
             target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens, params,
-            seeds, offsets, token_bitmask, layout))
+            seeds, offsets, token_bitmask, layout, method, return_logprobs))
     if layout is not None:  # the reference of the packed layout is the padded one (its definition)
         target_logits, draft_token_ids, draft_probs, draft_logits, token_bitmask = \
             padded_inputs(layout, target_logits, draft_token_ids, draft_probs, draft_logits,

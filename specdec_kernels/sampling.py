@@ -134,8 +134,8 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
         from .triton import sampling as _triton
         result = _triton.sample(logits, params, seeds, offsets, token_bitmask=token_bitmask,
                                 return_logprobs=return_logprobs)
-    elif _cpu.selected(backend, logits.device) and _cpu.runs_sample(logits, return_logprobs):
-        return _cpu.sample(logits, params, seeds, offsets, token_bitmask)
+    elif _cpu.selected(backend, logits.device) and _cpu.runs_sample(logits):
+        result = _cpu.sample(logits, params, seeds, offsets, token_bitmask, return_logprobs)
     else:
         result = _reference.sample(logits, params.temperature, params.top_k, params.top_p,
                                    seeds, offsets, params.min_p, token_bitmask, return_logprobs)

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _backend, _params
+from . import _backend, _cpu, _params
 from ._params import PerRequest
 from .reference import tree as _reference
 
@@ -74,7 +74,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
         seed, offset: per request, as in :func:`sample`; acceptance uniforms use the tested
             node's index, the correction/bonus noise the index of the node it is drawn from.
         method: ``"token"`` (default) or ``"traversal"``.
-        backend: ``"auto"`` (Triton for CUDA tensors, reference for CPU tensors),
+        backend: ``"auto"`` (Triton for CUDA tensors, the C++ CPU path for CPU tensors where
+            it covers the call, else the reference),
             ``"reference"`` or ``"triton"`` (CPU tensors need ``TRITON_INTERPRET=1``).
         validate: check the tree, ids, lengths and parameter values (reads only those small
             tensors, never the ``[.., V]`` ones).
@@ -144,6 +145,10 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
             target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
             params, seeds, offsets, method=method, token_bitmask=token_bitmask,
             return_logprobs=return_logprobs))
+    if _cpu.selected(backend, device) and _cpu.runs_tree(target_logits, draft_probs, method):
+        return TreeVerifyOutput(*_cpu.verify_tree(
+            target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
+            params, seeds, offsets, token_bitmask, return_logprobs, method))
     return TreeVerifyOutput(*_reference.verify_tree(
         target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
         params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -21,6 +22,7 @@ namespace baseline {
 namespace avx512 {
 void verify_chain_impl(const ChainArgs& args, int64_t begin, int64_t end);
 void sample_impl(const SampleArgs& args, int64_t begin, int64_t end);
+void verify_tree_impl(const TreeArgs& args, int64_t begin, int64_t end);
 void processed_probs_impl(const ProbsArgs& args, int64_t begin, int64_t end);
 }  // namespace avx512
 
@@ -68,6 +70,9 @@ Filters RequestParams::filters(int64_t b) const {
 
 void verify_chain(const ChainArgs& args, int64_t begin, int64_t end) {
   SPECDEC_DISPATCH(verify_chain_impl, args, begin, end);
+}
+void verify_tree(const TreeArgs& args, int64_t begin, int64_t end) {
+  SPECDEC_DISPATCH(verify_tree_impl, args, begin, end);
 }
 void sample(const SampleArgs& args, int64_t begin, int64_t end) {
   SPECDEC_DISPATCH(sample_impl, args, begin, end);

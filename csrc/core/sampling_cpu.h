@@ -85,6 +85,14 @@ struct RequestParams {
   Filters filters(int64_t b) const;
 };
 
+// return_logprobs (contract section 9): float32 log p of each emitted token at its row, NaN
+// where the token is -1. kProcessed: log processed_probs (0 on greedy rows), from the row's
+// statistics; kRaw: log_softmax of the sanitised row (no bitmask, no filters).
+enum class Logprobs : int { kNone = 0, kProcessed = 1, kRaw = 2 };
+
+// How the accepted drafts are tested (contract sections 3 and 12).
+enum class ChainMethod : int { kToken = 0, kBlock = 1 };
+
 struct ChainArgs {
   int64_t batch = 0, num_drafts = 0, vocab = 0;  // target [B, K+1, V]
   const void* target = nullptr;
@@ -102,8 +110,11 @@ struct ChainArgs {
   // draft_rows[b * K + j], read only for j < num_draft_tokens[b]. Null: the padded layout.
   const int64_t* target_rows = nullptr;
   const int64_t* draft_rows = nullptr;
+  ChainMethod method = ChainMethod::kToken;
+  Logprobs logprobs_kind = Logprobs::kNone;
   int32_t* output_token_ids = nullptr;  // [B, K+1]
   int32_t* num_accepted = nullptr;      // [B]
+  float* logprobs = nullptr;            // [B, K+1] when logprobs_kind is set
 };
 void verify_chain(const ChainArgs& args, int64_t begin, int64_t end);
 
@@ -113,9 +124,39 @@ struct SampleArgs {
   Dtype dtype = Dtype::kFloat32;
   const int32_t* bitmask = nullptr;  // [B, W] or null
   RequestParams params{};
+  Logprobs logprobs_kind = Logprobs::kNone;
   int32_t* tokens = nullptr;  // [B]
+  float* logprobs = nullptr;  // [B] when logprobs_kind is set
 };
 void sample(const SampleArgs& args, int64_t begin, int64_t end);
+
+// verify_tree, method "token" (contract section 4) or "traversal" (section 12). Node i of request b: target row
+// b * N + i (and its bitmask row), draft_probs row b * N + i, token tree_token_ids[b * N + i],
+// parent parents[b * N + i]. A node takes part when i < num_nodes[b] (clamped to 1..N),
+// 0 <= parent < i and its id is in [0, V); others are ignored like padding (validate=False).
+enum class DraftSampling : int { kIid = 0, kWithoutReplacement = 1 };
+// kTraversal (contract section 12) needs draft_probs; its greedy requests take the token walk.
+enum class TreeMethod : int { kToken = 0, kTraversal = 1 };
+struct TreeArgs {
+  int64_t batch = 0, num_nodes = 0, vocab = 0;  // target [B, N, V]
+  const void* target = nullptr;
+  Dtype target_dtype = Dtype::kFloat32;
+  const int32_t* bitmask = nullptr;        // [B, N, W] or null
+  const int64_t* tree_token_ids = nullptr;  // [B, N]
+  const int64_t* parents = nullptr;         // [B, N]
+  const int32_t* live_nodes = nullptr;      // [B]
+  const void* draft_probs = nullptr;        // [B, N, V] or null: deterministic candidates
+  Dtype draft_probs_dtype = Dtype::kFloat32;
+  DraftSampling draft_sampling = DraftSampling::kIid;
+  TreeMethod method = TreeMethod::kToken;
+  RequestParams params{};
+  Logprobs logprobs_kind = Logprobs::kNone;
+  int32_t* output_token_ids = nullptr;  // [B, N]
+  int32_t* accepted_nodes = nullptr;    // [B, N]
+  int32_t* num_accepted = nullptr;      // [B]
+  float* logprobs = nullptr;            // [B, N] when logprobs_kind is set
+};
+void verify_tree(const TreeArgs& args, int64_t begin, int64_t end);
 
 // processed_probs of rows [begin, end) of logits [R, V]; row r uses request r / rows_per_request.
 struct ProbsArgs {

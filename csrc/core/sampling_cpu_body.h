@@ -4,7 +4,7 @@
 // compiled with the including file's target. The streaming loops keep 16 accumulators (one
 // per lane) so that the compiler vectorises them without reassociating a float sum.
 //
-// Not a public header: the including file has included <cmath>, <cstdint>, <cstring>,
+// Not a public header: the including file has included <algorithm>, <cmath>, <cstdint>, <cstring>,
 // <limits>, <type_traits>, <vector> and sampling_cpu.h.
 
 #define SPECDEC_INLINE inline __attribute__((always_inline))
@@ -458,7 +458,6 @@ SPECDEC_INLINE RaceResult race(const W& weight, int64_t vocab, const Stream& str
 }
 
 // ---- the ops ----
-constexpr int64_t kMaxDraftsOnStack = 64;
 SPECDEC_INLINE size_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
 
 SPECDEC_INLINE const void* row_pointer(const void* base, Dtype dtype, int64_t row, int64_t vocab) {
@@ -519,12 +518,15 @@ struct Residual {
   RowStats draft_stats;
 };
 
+// max(weight * p - q, 0): weight 1 for the token rule (exact: 1 * p == p), w_j for block
+// verification.
 template <class P, class Q>
 struct ResidualWeight {
   P p;
   Q q;
+  float weight;
   SPECDEC_INLINE float operator()(int64_t i) const {
-    const float r = p(i) - q(i);
+    const float r = weight * p(i) - q(i);
     return r < 0.0f ? 0.0f : r;
   }
 };
@@ -577,26 +579,95 @@ SPECDEC_INLINE void with_q(const Residual& residual, F&& body) {
   }
 }
 
-// The correction token after a rejection: the residual's race, or p's when it has no mass.
-SPECDEC_INLINE int32_t race_residual(const RowView& view, const RowStats& s,
-                                     const Residual& residual, const Stream& stream) {
-  if (!s.has_finite) return -1;
-  RaceResult result{-1, false};
+// body(max(weight * p - q, 0)) for the processed non-greedy row (view, s) with finite logits.
+template <class F>
+SPECDEC_INLINE void with_residual(const RowView& view, const RowStats& s,
+                                  const Residual& residual, float weight, F&& body) {
   with_row(view, [&](const auto& row) {
     using R = std::decay_t<decltype(row)>;
     const Probs<R> p{row, keep_of(s), s.norm};
     with_q(residual, [&](const auto& q) {
       using Q = std::decay_t<decltype(q)>;
-      result = race(ResidualWeight<Probs<R>, Q>{p, q}, view.vocab, stream);
+      body(ResidualWeight<Probs<R>, Q>{p, q, weight});
     });
   });
+}
+
+// The correction token after a rejection: the race of max(weight * p - q, 0), or p's when
+// that has no mass.
+SPECDEC_INLINE int32_t race_residual(const RowView& view, const RowStats& s,
+                                     const Residual& residual, const Stream& stream,
+                                     float weight = 1.0f) {
+  if (!s.has_finite) return -1;
+  RaceResult result{-1, false};
+  with_residual(view, s, residual, weight,
+                [&](const auto& r) { result = race(r, view.vocab, stream); });
   if (result.any_positive) return result.token;
   return race_probs(view, s, stream);
 }
 
+// Block verification's R = sum(max(weight * p - q, 0)) (0 for a row without finite logits).
+SPECDEC_INLINE float residual_mass(const RowView& view, const RowStats& s,
+                                   const Residual& residual, float weight) {
+  if (!s.has_finite) return 0.0f;
+  float mass = 0.0f;
+  with_residual(view, s, residual, weight,
+                [&](const auto& r) { mass = lane_sum(r, 0, view.vocab); });
+  return mass;
+}
+
+// ---- return_logprobs ----
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// log_softmax of the sanitised row (no bitmask, no filters) at `token`.
+SPECDEC_INLINE float raw_logprob(const RowView& view, int64_t token) {
+  RowView plain = view;
+  plain.bitmask = nullptr;
+  float value = kNaN;
+  with_row(plain, [&](const auto& row) {
+    const float x_max = row_max(row);
+    if (!(x_max > -kInf)) return;
+    const float sum = lane_sum(
+        [row, x_max](int64_t i) SPECDEC_INLINE_LAMBDA { return fast_exp(row(i) - x_max); }, 0,
+        row.vocab);
+    value = (row(token) - x_max) - std::log(sum);
+  });
+  return value;
+}
+
+// The log-probability of `token` emitted at the row (view, stats); NaN for token -1.
+SPECDEC_INLINE float emitted_logprob(Logprobs kind, const RowView& view, const RowStats& s,
+                                     int64_t token) {
+  if (token < 0) return kNaN;
+  if (kind == Logprobs::kRaw) return raw_logprob(view, token);
+  return s.greedy ? 0.0f : std::log(view_prob(view, s, token));
+}
+
+// Block verification's w_j = min(1, w_{j-1} * p_j(d_j) / q_j(d_j)) (reference
+// sequence_weight: 1 when the numerator reaches q, also for q = 0 with a positive numerator).
+SPECDEC_INLINE float sequence_weight(float previous, float target, float draft) {
+  const float numerator = previous * target;
+  return numerator >= draft ? (numerator > 0.0f ? 1.0f : 0.0f) : numerator / draft;
+}
+// h = R / (R + (1 - w)), 1 when that denominator is 0 (reference rejection_weight).
+SPECDEC_INLINE float rejection_weight(float mass, float weight) {
+  const float denominator = mass + (1.0f - weight);
+  return denominator > 0.0f ? mass / denominator : 1.0f;
+}
+
+// One request after another. Token rule: row j's statistics, p(d_j), q(d_j), the test; stop
+// at the first rejection. Block verification (sampled requests): every live row is read (all
+// tests are made); row j >= 1 also gives R_j = sum(max(w_j p_j - q_j, 0)).
 SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t end) {
   const int64_t num_drafts = a.num_drafts, vocab = a.vocab, rows = num_drafts + 1;
   Scratch scratch;
+  std::vector<int64_t> id(num_drafts);          // grows with K only
+  std::vector<float> p_drafts(num_drafts);       // p_j(d_j), for the log-probabilities
+  std::vector<RowStats> block_stats, block_draft_stats;
+  if (a.method == ChainMethod::kBlock) {
+    block_stats.resize(rows);
+    block_draft_stats.resize(rows);
+  }
   for (int64_t b = begin; b < end; ++b) {
     const Filters filters = a.params.filters(b);
     const bool greedy = filters.temperature == 0.0f;
@@ -608,15 +679,9 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     auto draft_row = [&](int64_t j) {  // j < n only
       return a.draft_rows ? a.draft_rows[b * num_drafts + j] : b * num_drafts + j;
     };
-    int64_t ids[kMaxDraftsOnStack];
-    std::vector<int64_t> ids_heap;
-    int64_t* id = ids;
-    if (n > kMaxDraftsOnStack) {
-      ids_heap.resize(n);
-      id = ids_heap.data();
-    }
     for (int64_t j = 0; j < n; ++j) id[j] = a.draft_ids[draft_row(j)];
-    auto valid = [&](int64_t j) { return j < n && id[j] >= 0 && id[j] < vocab; };
+    int64_t live = 0;  // the leading valid drafts
+    while (live < n && id[live] >= 0 && id[live] < vocab) ++live;
     auto target_view = [&](int64_t j) {
       return logits_row(a.target, a.target_dtype, target_row(j), vocab, a.bitmask);
     };
@@ -624,52 +689,90 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
       return RowView{row_pointer(a.draft_logits, a.draft_logits_dtype, draft_row(j), vocab),
                      a.draft_logits_dtype, vocab, nullptr};
     };
-    Filters draft_filters = filters;
-    RowStats stats, draft_stats;
-    int64_t stats_row = -1, draft_stats_row = -1;
-    int64_t accepted = 0;
-    for (; accepted < num_drafts && valid(accepted); ++accepted) {
-      const int64_t j = accepted, d = id[j];
-      stats = view_stats(target_view(j), filters, scratch);
-      stats_row = j;
-      const float p_draft = view_prob(target_view(j), stats, d);
-      bool accept;
-      if (greedy) {
-        accept = p_draft > 0.0f;
-      } else {
-        float q_draft = 1.0f;
-        if (a.draft_probs != nullptr) {
-          q_draft = raw_element(a.draft_probs, a.draft_probs_dtype, draft_row(j) * vocab + d);
-        } else if (a.draft_logits != nullptr) {
-          draft_stats = view_stats(draft_view(j), draft_filters, scratch);
-          draft_stats_row = j;
-          q_draft = view_prob(draft_view(j), draft_stats, d);
-        }
-        const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(j + 1),
-                            kPurposeAccept);
-        accept = uniform_of(stream.word(0)) * q_draft < p_draft;
+    const Filters draft_filters = filters;
+    auto draft_stats_of = [&](int64_t j) {  // j < live; only with draft_logits
+      return view_stats(draft_view(j), draft_filters, scratch);
+    };
+    auto q_draft_of = [&](int64_t j, const RowStats& draft_stats) {
+      if (a.draft_probs != nullptr) {
+        return raw_element(a.draft_probs, a.draft_probs_dtype, draft_row(j) * vocab + id[j]);
       }
-      if (!accept) break;
-    }
-    if (stats_row != accepted) stats = view_stats(target_view(accepted), filters, scratch);
-    const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(accepted),
-                        kPurposeResample);
-    int32_t final_token;
-    if (!greedy && accepted < num_drafts && valid(accepted)) {  // rejected: the residual
-      Residual residual{Residual::kOneHot, id[accepted], nullptr, Dtype::kFloat32, RowView{},
+      if (a.draft_logits != nullptr) return view_prob(draft_view(j), draft_stats, id[j]);
+      return 1.0f;
+    };
+    auto residual_of = [&](int64_t j, const RowStats& draft_stats) {  // q of row j < live
+      Residual residual{Residual::kOneHot, id[j], nullptr, Dtype::kFloat32, RowView{},
                         RowStats{}};
       if (a.draft_probs != nullptr) {
         residual.kind = Residual::kProbs;
-        residual.q = row_pointer(a.draft_probs, a.draft_probs_dtype, draft_row(accepted), vocab);
+        residual.q = row_pointer(a.draft_probs, a.draft_probs_dtype, draft_row(j), vocab);
         residual.q_dtype = a.draft_probs_dtype;
       } else if (a.draft_logits != nullptr) {
         residual.kind = Residual::kLogits;
-        residual.draft_view = draft_view(accepted);
-        residual.draft_stats = draft_stats_row == accepted
-                                   ? draft_stats
-                                   : view_stats(residual.draft_view, draft_filters, scratch);
+        residual.draft_view = draft_view(j);
+        residual.draft_stats = draft_stats;
       }
-      final_token = race_residual(target_view(accepted), stats, residual, stream);
+      return residual;
+    };
+    auto uniform_at = [&](int64_t position) {
+      const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(position),
+                          kPurposeAccept);
+      return uniform_of(stream.word(0));
+    };
+    RowStats stats, draft_stats;  // of row `accepted` once the loop is done
+    int64_t accepted = 0;
+    float correction_weight = 1.0f;  // the residual's w (block: w_tau)
+    if (a.method == ChainMethod::kBlock && !greedy) {
+      float w = 1.0f;  // w_j at row j
+      for (int64_t j = 0; j < live; ++j) {
+        RowStats& row = block_stats[j];
+        RowStats& draft = block_draft_stats[j];
+        row = view_stats(target_view(j), filters, scratch);
+        if (a.draft_logits != nullptr) draft = draft_stats_of(j);
+        if (j >= 1) {  // test j < n: u_j < h_j
+          const float mass = residual_mass(target_view(j), row, residual_of(j, draft), w);
+          if (uniform_at(j) < rejection_weight(mass, w)) {
+            accepted = j;
+            correction_weight = w;
+          }
+        }
+        const float p_draft = view_prob(target_view(j), row, id[j]);
+        const float q_draft = q_draft_of(j, draft);
+        p_drafts[j] = p_draft;
+        if (j == live - 1 && uniform_at(live) * q_draft < w * p_draft) accepted = live;
+        w = sequence_weight(w, p_draft, q_draft);
+      }
+      if (accepted < live) {
+        stats = block_stats[accepted];
+        draft_stats = block_draft_stats[accepted];
+      } else {
+        stats = view_stats(target_view(accepted), filters, scratch);
+      }
+    } else {
+      int64_t stats_row = -1;
+      for (; accepted < live; ++accepted) {
+        const int64_t j = accepted;
+        stats = view_stats(target_view(j), filters, scratch);
+        stats_row = j;
+        const float p_draft = view_prob(target_view(j), stats, id[j]);
+        p_drafts[j] = p_draft;
+        bool accept;
+        if (greedy) {
+          accept = p_draft > 0.0f;
+        } else {
+          if (a.draft_logits != nullptr) draft_stats = draft_stats_of(j);
+          accept = uniform_at(j + 1) * q_draft_of(j, draft_stats) < p_draft;
+        }
+        if (!accept) break;
+      }
+      if (stats_row != accepted) stats = view_stats(target_view(accepted), filters, scratch);
+    }
+    const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(accepted),
+                        kPurposeResample);
+    int32_t final_token;
+    if (!greedy && accepted < live) {  // rejected: the residual
+      final_token = race_residual(target_view(accepted), stats,
+                                  residual_of(accepted, draft_stats), stream, correction_weight);
     } else {
       final_token = race_probs(target_view(accepted), stats, stream);
     }
@@ -677,6 +780,412 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     for (int64_t j = 0; j < rows; ++j) out[j] = j < accepted ? static_cast<int32_t>(id[j]) : -1;
     out[accepted] = final_token;
     a.num_accepted[b] = static_cast<int32_t>(accepted);
+    if (a.logprobs_kind != Logprobs::kNone) {
+      float* logprobs = a.logprobs + b * rows;
+      for (int64_t j = 0; j < accepted; ++j) {
+        logprobs[j] = a.logprobs_kind == Logprobs::kRaw ? raw_logprob(target_view(j), id[j])
+                      : greedy                           ? 0.0f
+                                                         : std::log(p_drafts[j]);
+      }
+      logprobs[accepted] =
+          emitted_logprob(a.logprobs_kind, target_view(accepted), stats, final_token);
+      for (int64_t j = accepted + 1; j < rows; ++j) logprobs[j] = kNaN;
+    }
+  }
+}
+
+// ---- verify_tree (method "token") ----
+struct FloatRow {
+  const float* data;
+  SPECDEC_INLINE float operator()(int64_t i) const { return data[i]; }
+};
+// A without-replacement draft row: q with the rejected tokens removed, over its mass.
+struct ScaledRow {
+  const float* data;
+  float mass;
+  SPECDEC_INLINE float operator()(int64_t i) const { return mass > 0.0f ? data[i] / mass : 0.0f; }
+};
+template <class P>
+struct Unnormalised {  // p_raw / p_mass
+  P p;
+  float mass;
+  SPECDEC_INLINE float operator()(int64_t i) const { return p(i) / mass; }
+};
+
+template <class P>
+struct Weighted {  // w * p
+  P p;
+  float weight;
+  SPECDEC_INLINE float operator()(int64_t i) const { return weight * p(i); }
+};
+
+// out = max(p - q, 0) (NaN kept); its sum and whether an entry is > 0.
+template <class P, class Q>
+SPECDEC_INLINE BlockSum write_residual(const P& p, const Q& q, float* out, int64_t vocab) {
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float r = p(i) - q(i);
+    out[i] = r < 0.0f ? 0.0f : r;
+  }
+  return block_sum(FloatRow{out}, 0, vocab);
+}
+
+// The processed row as floats (zeros for a row without finite logits).
+SPECDEC_INLINE void write_probs(const RowView& view, const RowStats& s, float* out) {
+  if (!s.has_finite || s.greedy) {
+    for (int64_t i = 0; i < view.vocab; ++i) out[i] = 0.0f;
+    if (s.has_finite) out[s.argmax] = 1.0f;
+    return;
+  }
+  with_row(view, [&](const auto& row) {
+    const Keep keep = keep_of(s);
+    for (int64_t i = 0; i < view.vocab; ++i) out[i] = keep.weight(row(i)) / s.norm;
+  });
+}
+
+SPECDEC_INLINE void write_draft(const void* q, Dtype dtype, int64_t vocab, float* out) {
+  for (int64_t i = 0; i < vocab; ++i) out[i] = raw_element(q, dtype, i);
+}
+
+// Request b's outputs from its path (accepted_nodes[0..accepted], written by the walk), the
+// final token and the statistics of the row it came from (logprobs [0, accepted) are the
+// walk's).
+SPECDEC_INLINE void write_tree_outputs(const TreeArgs& a, int64_t b, int64_t accepted,
+                                       int32_t final_token, const RowView& final_view,
+                                       const RowStats& final_stats) {
+  const int64_t nodes = a.num_nodes;
+  const int64_t* ids = a.tree_token_ids + b * nodes;
+  int32_t* path = a.accepted_nodes + b * nodes;
+  int32_t* out = a.output_token_ids + b * nodes;
+  for (int64_t m = 0; m < nodes; ++m) {
+    out[m] = m < accepted ? static_cast<int32_t>(ids[path[m + 1]]) : -1;
+    if (m > accepted) path[m] = -1;
+  }
+  out[accepted] = final_token;
+  a.num_accepted[b] = static_cast<int32_t>(accepted);
+  if (a.logprobs_kind != Logprobs::kNone) {
+    float* logprobs = a.logprobs + b * nodes;
+    logprobs[accepted] = emitted_logprob(a.logprobs_kind, final_view, final_stats, final_token);
+    for (int64_t m = accepted + 1; m < nodes; ++m) logprobs[m] = kNaN;
+  }
+}
+
+// Traversal verification (reference traverse_tree) of one sampled request with draft_probs:
+// the depth-first tour of the reachable nodes (children in increasing index). Entering v
+// sets w_v from its parent u's current state; leaving v tests it; a rejection updates u
+// (P_u <- max(w_u P_u - Q_u, 0) when that has mass, w_u <- R / (R + 1 - w_u), without
+// replacement x_v leaves Q_u). Only the nodes on the tour's stack have live state, so the
+// rows of P and Q (written at a node's first child rejection) live in one slot per depth.
+struct Traversal {
+  std::vector<RowStats> stats;
+  std::vector<char> has_stats, reach, p_written, q_written;
+  std::vector<float> w, p_mass, q_mass;
+  std::vector<int64_t> first_child, next_sibling, depth, stack, next_child;
+  std::vector<std::vector<float>> p_slot, q_slot;
+  std::vector<float> residual;
+
+  void resize(int64_t nodes, int64_t vocab) {
+    stats.resize(nodes);
+    for (auto* v : {&has_stats, &reach, &p_written, &q_written}) v->resize(nodes);
+    for (auto* v : {&w, &p_mass, &q_mass}) v->resize(nodes);
+    for (auto* v : {&first_child, &next_sibling, &depth, &stack, &next_child}) v->resize(nodes);
+    residual.resize(vocab);
+  }
+  float* slot(std::vector<std::vector<float>>& slots, int64_t d, int64_t vocab) {
+    if (static_cast<int64_t>(slots.size()) <= d) slots.resize(d + 1);
+    if (static_cast<int64_t>(slots[d].size()) < vocab) slots[d].resize(vocab);
+    return slots[d].data();
+  }
+
+  // Returns the accepted node (0: none) and writes the path and the drafts' log-probabilities.
+  template <class Real, class View>
+  int64_t run(const TreeArgs& a, int64_t b, const Filters& filters, const Real& real,
+              const View& target_view, Scratch& scratch, int32_t& final_token,
+              RowStats& final_stats) {
+    const int64_t nodes = a.num_nodes, vocab = a.vocab;
+    const bool wor = a.draft_sampling == DraftSampling::kWithoutReplacement;
+    const int64_t* ids = a.tree_token_ids + b * nodes;
+    const int64_t* parent = a.parents + b * nodes;
+    for (int64_t i = 0; i < nodes; ++i) {
+      has_stats[i] = p_written[i] = q_written[i] = 0;
+      first_child[i] = next_sibling[i] = -1;
+      reach[i] = i == 0 || (real(i) && (parent[i] == 0 || reach[parent[i]]));
+    }
+    reach[0] = 1;
+    for (int64_t i = nodes - 1; i >= 1; --i) {  // children lists in increasing index
+      if (!reach[i] || i == 0) continue;
+      next_sibling[i] = first_child[parent[i]];
+      first_child[parent[i]] = i;
+    }
+    auto stats_of = [&](int64_t u) -> const RowStats& {
+      if (!has_stats[u]) {
+        stats[u] = view_stats(target_view(u), filters, scratch);
+        has_stats[u] = 1;
+      }
+      return stats[u];
+    };
+    auto q_row = [&](int64_t u) {
+      return row_pointer(a.draft_probs, a.draft_probs_dtype, b * nodes + u, vocab);
+    };
+    auto target_of = [&](int64_t u, int64_t token) {  // P_u(x) / mass
+      const float p = p_written[u] ? p_slot[depth[u]][token]
+                                   : view_prob(target_view(u), stats_of(u), token);
+      return p / p_mass[u];
+    };
+    auto draft_of = [&](int64_t u, int64_t token) {  // the current Q_u(x)
+      const float q = q_written[u] ? q_slot[depth[u]][token]
+                                   : raw_element(q_row(u), a.draft_probs_dtype, token);
+      return wor ? (q_mass[u] > 0.0f ? q / q_mass[u] : 0.0f) : q;
+    };
+    auto reset = [&](int64_t v, int64_t d) {
+      depth[v] = d;
+      p_mass[v] = q_mass[v] = 1.0f;
+      next_child[v] = first_child[v];
+    };
+    w[0] = 1.0f;
+    reset(0, 0);
+    int64_t top = 0, accepted_node = 0;
+    stack[0] = 0;
+    while (top >= 0) {
+      const int64_t u = stack[top];
+      const int64_t child = next_child[u];
+      if (child >= 0) {  // enter the next child
+        next_child[u] = next_sibling[child];
+        reset(child, depth[u] + 1);
+        w[child] = sequence_weight(w[u], target_of(u, ids[child]), draft_of(u, ids[child]));
+        stack[++top] = child;
+        continue;
+      }
+      --top;  // leave u: every child rejected, or none
+      if (u == 0) break;
+      const int64_t up = parent[u], token = ids[u];
+      const float target = target_of(up, token), draft = draft_of(up, token);
+      const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(u),
+                          kPurposeAccept);
+      const float uniform = uniform_of(stream.word(0));
+      const bool passed = first_child[u] >= 0 ? uniform < w[u] : uniform * draft < w[up] * target;
+      if (passed) {
+        accepted_node = u;
+        break;
+      }
+      reject(a, up, token, wor, target_view, q_row, stats_of);
+    }
+    // The path, root first, by parent chasing; the drafts' log-probabilities at their parents.
+    int32_t* path = a.accepted_nodes + b * nodes;
+    const int64_t accepted = depth[accepted_node];
+    for (int64_t v = accepted_node, m = accepted; m >= 0; v = parent[v], --m) {
+      path[m] = static_cast<int32_t>(v);
+      if (v == 0) break;
+    }
+    if (a.logprobs_kind != Logprobs::kNone) {
+      for (int64_t m = 0; m < accepted; ++m) {
+        a.logprobs[b * nodes + m] = emitted_logprob(a.logprobs_kind, target_view(path[m]),
+                                                    stats_of(path[m]), ids[path[m + 1]]);
+      }
+    }
+    final_stats = stats_of(accepted_node);
+    const Stream stream(a.params.seed[b], a.params.offset[b],
+                        static_cast<uint32_t>(accepted_node), kPurposeResample);
+    final_token = p_written[accepted_node]
+                      ? race(FloatRow{p_slot[depth[accepted_node]].data()}, vocab, stream).token
+                      : race_probs(target_view(accepted_node), final_stats, stream);
+    return accepted;
+  }
+
+  // u's update after its child with `token` is rejected.
+  template <class View, class QRow, class StatsOf>
+  void reject(const TreeArgs& a, int64_t u, int64_t token, bool wor,
+              const View& target_view, const QRow& q_row, const StatsOf& stats_of) {
+    const int64_t vocab = a.vocab, d = depth[u];
+    float* q = slot(q_slot, d, vocab);
+    if (!q_written[u]) {
+      write_draft(q_row(u), a.draft_probs_dtype, vocab, q);
+      q_written[u] = 1;
+    }
+    const float weight = w[u];
+    BlockSum mass{0.0f, false};
+    auto with_p = [&](const auto& p) {
+      if (wor) {
+        mass = write_residual(Weighted<std::decay_t<decltype(p)>>{p, weight},
+                              ScaledRow{q, q_mass[u]}, residual.data(), vocab);
+      } else {
+        mass = write_residual(Weighted<std::decay_t<decltype(p)>>{p, weight}, FloatRow{q},
+                              residual.data(), vocab);
+      }
+    };
+    if (p_written[u]) {
+      with_p(Unnormalised<FloatRow>{FloatRow{p_slot[d].data()}, p_mass[u]});
+    } else {
+      const RowStats& s = stats_of(u);
+      if (s.has_finite && !s.greedy) {
+        with_row(target_view(u), [&](const auto& row) {
+          using R = std::decay_t<decltype(row)>;
+          with_p(Unnormalised<Probs<R>>{Probs<R>{row, keep_of(s), s.norm}, p_mass[u]});
+        });
+      } else {
+        with_p(Unnormalised<Zero>{Zero{}, p_mass[u]});
+      }
+    }
+    w[u] = rejection_weight(mass.sum, weight);
+    if (mass.any_positive) {
+      slot(p_slot, d, vocab);
+      std::swap(p_slot[d], residual);
+      if (static_cast<int64_t>(residual.size()) < vocab) residual.resize(vocab);
+      p_written[u] = 1;
+      p_mass[u] = mass.sum;
+    }
+    if (wor) {
+      q_mass[u] = q_mass[u] - q[token];
+      q[token] = 0.0f;
+    }
+  }
+};
+
+// The walk of reference/tree.py, one request at a time. The current node's distribution is
+// its processed row ("pristine": RowStats only) until a rejection there needs it as a row:
+// deterministic candidates keep a list of removed tokens (the row is written only for the
+// final race), i.i.d. / without-replacement drafts write the residual to a buffer (two, so
+// that a residual without mass keeps the previous one) and the draft row to a third.
+SPECDEC_INLINE void verify_tree_body(const TreeArgs& a, int64_t begin, int64_t end) {
+  const int64_t nodes = a.num_nodes, vocab = a.vocab;
+  const bool has_q = a.draft_probs != nullptr;
+  const bool wor = has_q && a.draft_sampling == DraftSampling::kWithoutReplacement;
+  Scratch scratch;
+  std::vector<float> buffers((has_q ? 3 : 1) * static_cast<size_t>(vocab));  // grows with V only
+  std::vector<int64_t> removed;
+  const bool traversal = a.method == TreeMethod::kTraversal && has_q;
+  Traversal tour;
+  if (traversal) tour.resize(nodes, vocab);
+  for (int64_t b = begin; b < end; ++b) {
+    const Filters filters = a.params.filters(b);
+    const bool greedy = filters.temperature == 0.0f;
+    int64_t live = a.live_nodes[b];
+    live = live < 1 ? 1 : (live > nodes ? nodes : live);
+    const int64_t* ids = a.tree_token_ids + b * nodes;
+    const int64_t* parent = a.parents + b * nodes;
+    auto real = [&](int64_t i) {
+      return i < live && parent[i] >= 0 && parent[i] < i && ids[i] >= 0 && ids[i] < vocab;
+    };
+    auto target_view = [&](int64_t node) {
+      return logits_row(a.target, a.target_dtype, b * nodes + node, vocab, a.bitmask);
+    };
+    auto q_row = [&](int64_t node) {
+      return row_pointer(a.draft_probs, a.draft_probs_dtype, b * nodes + node, vocab);
+    };
+    int32_t* path = a.accepted_nodes + b * nodes;
+    if (traversal && !greedy) {  // greedy requests take the token walk
+      int32_t final_token = -1;
+      RowStats final_stats;
+      const int64_t accepted =
+          tour.run(a, b, filters, real, target_view, scratch, final_token, final_stats);
+      write_tree_outputs(a, b, accepted, final_token, target_view(path[accepted]), final_stats);
+      continue;
+    }
+    float* logprobs = a.logprobs_kind != Logprobs::kNone ? a.logprobs + b * nodes : nullptr;
+    path[0] = 0;
+    int64_t current = 0, accepted = 0;
+    RowStats stats = view_stats(target_view(0), filters, scratch);
+    float* p_buf = nullptr;  // null: the current row is pristine
+    float* q_buf = nullptr;  // null: the draft row is draft_probs' row as it is
+    float p_mass = 1.0f, q_mass = 1.0f;
+    int64_t last_removed = -1;
+    removed.clear();
+    auto buffer = [&](int index) { return buffers.data() + index * vocab; };
+    for (int64_t i = 1; i < nodes; ++i) {
+      if (!real(i) || parent[i] != current) continue;
+      const int64_t token = ids[i];
+      float p_token;
+      if (p_buf != nullptr) {
+        p_token = p_buf[token];
+      } else if (std::find(removed.begin(), removed.end(), token) != removed.end()) {
+        p_token = 0.0f;
+      } else {
+        p_token = view_prob(target_view(current), stats, token);
+      }
+      const float target = p_mass > 0.0f ? p_token / p_mass : (p_token > 0.0f ? kInf : 0.0f);
+      float draft = 1.0f;
+      if (has_q) {
+        draft = q_buf != nullptr ? q_buf[token]
+                                 : raw_element(q_row(current), a.draft_probs_dtype, token);
+        if (wor) draft = q_mass > 0.0f ? draft / q_mass : 0.0f;
+      }
+      bool accept;
+      if (greedy) {  // greedy p is one-hot at the arg-max
+        accept = p_token > 0.0f;
+      } else {
+        const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(i),
+                            kPurposeAccept);
+        accept = uniform_of(stream.word(0)) * draft < target;
+      }
+      if (accept) {
+        if (logprobs != nullptr) {
+          logprobs[accepted] = emitted_logprob(a.logprobs_kind, target_view(current), stats, token);
+        }
+        current = i;
+        path[++accepted] = static_cast<int32_t>(i);
+        stats = view_stats(target_view(i), filters, scratch);
+        p_buf = q_buf = nullptr;
+        p_mass = q_mass = 1.0f;
+        last_removed = -1;
+        removed.clear();
+        continue;
+      }
+      if (greedy) continue;
+      if (!has_q) {  // remove the token; its probability leaves the mass
+        p_mass = p_mass - p_token;
+        removed.push_back(token);
+        if (p_token > 0.0f) last_removed = token;
+        continue;
+      }
+      if (q_buf == nullptr) {
+        q_buf = buffer(2);
+        write_draft(q_row(current), a.draft_probs_dtype, vocab, q_buf);
+      }
+      float* next = p_buf == buffer(0) ? buffer(1) : buffer(0);
+      BlockSum residual{0.0f, false};
+      auto with_draft = [&](const auto& p) {
+        if (wor) {
+          residual = write_residual(p, ScaledRow{q_buf, q_mass}, next, vocab);
+        } else {
+          residual = write_residual(p, FloatRow{q_buf}, next, vocab);
+        }
+      };
+      if (p_buf != nullptr) {
+        with_draft(Unnormalised<FloatRow>{FloatRow{p_buf}, p_mass});
+      } else if (stats.has_finite) {
+        with_row(target_view(current), [&](const auto& row) {
+          using R = std::decay_t<decltype(row)>;
+          with_draft(Unnormalised<Probs<R>>{Probs<R>{row, keep_of(stats), stats.norm}, p_mass});
+        });
+      } else {
+        with_draft(Unnormalised<Zero>{Zero{}, p_mass});
+      }
+      if (residual.any_positive) {  // else p stays (only through rounding, see reference)
+        p_buf = next;
+        p_mass = residual.sum;
+      }
+      if (wor) {
+        q_mass = q_mass - q_buf[token];
+        q_buf[token] = 0.0f;
+      }
+    }
+    const Stream stream(a.params.seed[b], a.params.offset[b], static_cast<uint32_t>(current),
+                        kPurposeResample);
+    int32_t final_token;
+    if (p_buf != nullptr) {
+      final_token = race(FloatRow{p_buf}, vocab, stream).token;
+    } else if (removed.empty()) {
+      final_token = race_probs(target_view(current), stats, stream);
+    } else {  // deterministic candidates with removals
+      float* row = buffer(0);
+      write_probs(target_view(current), stats, row);
+      for (const int64_t token : removed) row[token] = 0.0f;
+      const RaceResult result = race(FloatRow{row}, vocab, stream);
+      // Removals left no mass (rounding only): the last removed token was all that remained.
+      final_token = !result.any_positive && last_removed >= 0
+                        ? static_cast<int32_t>(last_removed)
+                        : result.token;
+    }
+    write_tree_outputs(a, b, accepted, final_token, target_view(current), stats);
   }
 }
 
@@ -687,6 +1196,9 @@ SPECDEC_INLINE void sample_body(const SampleArgs& a, int64_t begin, int64_t end)
     const RowStats stats = view_stats(view, a.params.filters(b), scratch);
     const Stream stream(a.params.seed[b], a.params.offset[b], 0, kPurposeSample);
     a.tokens[b] = race_probs(view, stats, stream);
+    if (a.logprobs_kind != Logprobs::kNone) {
+      a.logprobs[b] = emitted_logprob(a.logprobs_kind, view, stats, a.tokens[b]);
+    }
   }
 }
 

@@ -11,3 +11,6 @@ void sample_impl(const SampleArgs& args, int64_t begin, int64_t end) {
 void processed_probs_impl(const ProbsArgs& args, int64_t begin, int64_t end) {
   processed_probs_body(args, begin, end);
 }
+void verify_tree_impl(const TreeArgs& args, int64_t begin, int64_t end) {
+  verify_tree_body(args, begin, end);
+}

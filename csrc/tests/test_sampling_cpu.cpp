@@ -213,6 +213,97 @@ void test_verify_and_sample_known_answers() {
   CHECK_EQ(tokens[1], 1);
 }
 
+void test_verify_tree_known_answers_and_garbage() {
+  // The verify_tree docstring: greedy, arg-maxes [1, 0, 2, 0], nodes 1 (token 0) and 2
+  // (token 1) under the root, node 3 (token 2) under node 2 -> [1, 2, 0, -1], path [0, 2, 3].
+  const float target[12] = {0, 9, 0, 9, 0, 0, 0, 0, 9, 9, 0, 0};
+  const int64_t ids[4] = {-1, 0, 1, 2}, parents[4] = {-1, 0, 0, 2};
+  const int32_t live[1] = {4};
+  const float temperature[1] = {0.0f}, top_p[1] = {1.0f};
+  const int32_t top_k[1] = {0};
+  const int64_t seed[1] = {1}, offset[1] = {0};
+  TreeArgs a;
+  a.batch = 1;
+  a.num_nodes = 4;
+  a.vocab = 3;
+  a.target = target;
+  a.tree_token_ids = ids;
+  a.parents = parents;
+  a.live_nodes = live;
+  a.params = RequestParams{temperature, top_k, top_p, nullptr, seed, offset};
+  a.logprobs_kind = Logprobs::kProcessed;
+  int32_t out[4], path[4], accepted[1];
+  float logprobs[4];
+  a.output_token_ids = out;
+  a.accepted_nodes = path;
+  a.num_accepted = accepted;
+  a.logprobs = logprobs;
+  verify_tree(a, 0, 1);
+  CHECK_EQ(out[0], 1);
+  CHECK_EQ(out[1], 2);
+  CHECK_EQ(out[2], 0);
+  CHECK_EQ(out[3], -1);
+  CHECK_EQ(path[0], 0);
+  CHECK_EQ(path[1], 2);
+  CHECK_EQ(path[2], 3);
+  CHECK_EQ(path[3], -1);
+  CHECK_EQ(accepted[0], 2);
+  CHECK(logprobs[0] == 0.0f && logprobs[2] == 0.0f && std::isnan(logprobs[3]));
+  // Garbage trees (parents and ids anywhere, num_nodes outside 1..N) with i.i.d. and
+  // without-replacement drafts (NaN and negative probabilities), token walk and traversal:
+  // ids stay in [-1, V), nodes in [-1, N) (ASan checks the reads).
+  std::mt19937_64 rng(11);
+  const int64_t batch = 16, nodes = 6, vocab = 37;
+  std::vector<float> logits(batch * nodes * vocab), q(batch * nodes * vocab);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (auto& x : logits) x = normal(rng);
+  for (auto& x : q) x = std::fabs(normal(rng)) / vocab;
+  q[5] = NAN;
+  q[vocab * 7] = -1.0f;
+  std::vector<int64_t> garbage_ids(batch * nodes), garbage_parents(batch * nodes);
+  const int64_t choices[6] = {-3, 0, 1, 5, 40, int64_t{1} << 40};
+  for (int64_t i = 0; i < batch * nodes; ++i) {
+    garbage_ids[i] = rng() % 3 == 0 ? choices[rng() % 6] : static_cast<int64_t>(rng() % vocab);
+    garbage_parents[i] = rng() % 3 == 0 ? choices[rng() % 6] : static_cast<int64_t>(rng() % (i % nodes + 1)) - 1;
+  }
+  std::vector<int32_t> lives(batch), ks(batch, 3);
+  std::vector<float> temps(batch, 0.8f), ps(batch, 0.9f);
+  std::vector<int64_t> seeds(batch), offsets(batch, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    lives[b] = static_cast<int32_t>(b % 9) - 1;
+    seeds[b] = static_cast<int64_t>(rng());
+    temps[b] = b % 4 == 0 ? 0.0f : 0.8f;
+  }
+  std::vector<int32_t> o(batch * nodes), pa(batch * nodes), acc(batch);
+  std::vector<float> lp(batch * nodes);
+  for (int kind = 0; kind < 5; ++kind) {  // deterministic, iid, wor; traversal iid, wor
+    TreeArgs g;
+    g.batch = batch;
+    g.num_nodes = nodes;
+    g.vocab = vocab;
+    g.target = logits.data();
+    g.tree_token_ids = garbage_ids.data();
+    g.parents = garbage_parents.data();
+    g.live_nodes = lives.data();
+    g.draft_probs = kind == 0 ? nullptr : q.data();
+    g.draft_sampling = kind % 2 == 0 ? DraftSampling::kWithoutReplacement : DraftSampling::kIid;
+    g.method = kind >= 3 ? TreeMethod::kTraversal : TreeMethod::kToken;
+    g.params = RequestParams{temps.data(), ks.data(), ps.data(), nullptr, seeds.data(),
+                             offsets.data()};
+    g.logprobs_kind = Logprobs::kRaw;
+    g.output_token_ids = o.data();
+    g.accepted_nodes = pa.data();
+    g.num_accepted = acc.data();
+    g.logprobs = lp.data();
+    verify_tree(g, 0, batch);
+    for (int64_t i = 0; i < batch * nodes; ++i) {
+      CHECK(o[i] >= -1 && o[i] < vocab);
+      CHECK(pa[i] >= -1 && pa[i] < nodes);
+    }
+    for (int64_t b = 0; b < batch; ++b) CHECK(acc[b] >= 0 && acc[b] < nodes);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -221,5 +312,6 @@ int main() {
   test_dtypes_read_the_same_values();
   test_filters_match_sorting();
   test_verify_and_sample_known_answers();
+  test_verify_tree_known_answers_and_garbage();
   TEST_MAIN_RETURN();
 }

@@ -1,8 +1,8 @@
 // CPU registrations of the sampling path (csrc/core/sampling_cpu.h): torch.ops.specdec.
-// cpu_verify_chain / cpu_sample / cpu_processed_probs / cpu_random_words. The Python layer
-// (specdec_kernels/_cpu.py) validates values first; these checks guard memory safety. The
-// per-request parameters are small [B] tensors converted here; the [.., V] tensors are read
-// in place (contiguous, in their own dtype).
+// cpu_verify_chain / cpu_verify_tree / cpu_sample / cpu_processed_probs / cpu_random_words. The
+// Python layer (specdec_kernels/_cpu.py) validates values first; these checks guard memory
+// safety. The per-request parameters are small [B] tensors converted here; the [.., V] tensors
+// are read in place (contiguous, in their own dtype).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -94,14 +94,25 @@ int64_t grain(int64_t rows_per_request, int64_t vocab) {
 }
 
 // Both layouts: target [R, V] rows, drafts [D] / [D, V]; row indices (packed) or null.
-std::tuple<at::Tensor, at::Tensor> run_chain(
+// return_logprobs as an int (0 none, 1 processed, 2 raw); the result's tensor is empty for 0.
+cpu::Logprobs logprobs_of(int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "logprobs must be 0 (none), 1 (processed) or 2 (raw)");
+  return static_cast<cpu::Logprobs>(kind);
+}
+
+at::Tensor logprobs_tensor(cpu::Logprobs kind, at::IntArrayRef shape, const at::Tensor& like) {
+  return at::empty(kind == cpu::Logprobs::kNone ? at::IntArrayRef{0} : shape,
+                   like.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
     const at::Tensor* target_rows, const at::Tensor* draft_rows, int64_t batch,
     int64_t num_drafts, const at::Tensor& num_draft_tokens, const at::Tensor& temperature,
     const at::Tensor& top_k, const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
-    const at::Tensor& offset) {
+    const at::Tensor& offset, int64_t method, int64_t logprobs_kind) {
   const int64_t vocab = target_logits.size(-1), rows = num_drafts + 1;
   TORCH_CHECK(vocab >= 1, "target_logits must have V >= 1");
   const int64_t target_count = target_logits.numel() / vocab;
@@ -165,52 +176,57 @@ std::tuple<at::Tensor, at::Tensor> run_chain(
     args.draft_logits_dtype = dtype_of(logits, "draft_logits");
   }
   args.params = params.view();
+  TORCH_CHECK(method == 0 || method == 1, "method must be 0 (token) or 1 (block)");
+  args.method = static_cast<cpu::ChainMethod>(method);
+  args.logprobs_kind = logprobs_of(logprobs_kind);
   at::Tensor out = at::empty({batch, rows}, target.options().dtype(at::kInt));
   at::Tensor accepted = at::empty({batch}, target.options().dtype(at::kInt));
+  at::Tensor logprobs = logprobs_tensor(args.logprobs_kind, {batch, rows}, target);
   args.output_token_ids = out.data_ptr<int32_t>();
   args.num_accepted = accepted.data_ptr<int32_t>();
+  args.logprobs = logprobs.numel() ? logprobs.data_ptr<float>() : nullptr;
   at::parallel_for(0, batch, grain(rows, vocab),
                    [&](int64_t begin, int64_t end) { cpu::verify_chain(args, begin, end); });
-  return {out, accepted};
+  return {out, accepted, logprobs};
 }
 
-std::tuple<at::Tensor, at::Tensor> cpu_verify_chain(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
     const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
     const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
-    const at::Tensor& offset) {
+    const at::Tensor& offset, int64_t method, int64_t logprobs) {
   TORCH_CHECK(target_logits.dim() == 3 && target_logits.size(1) >= 1,
               "target_logits must be [B, K+1, V], got ", target_logits.sizes());
   const int64_t batch = target_logits.size(0), num_drafts = target_logits.size(1) - 1;
   check_cpu(draft_token_ids, "draft_token_ids", {batch, num_drafts});
   return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, nullptr, nullptr,
                    batch, num_drafts, num_draft_tokens, temperature, top_k, top_p, min_p,
-                   token_bitmask, seed, offset);
+                   token_bitmask, seed, offset, method, logprobs);
 }
 
-std::tuple<at::Tensor, at::Tensor> cpu_verify_chain_packed(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain_packed(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
     const at::Tensor& target_rows, const at::Tensor& draft_rows,
     const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
     const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
-    const at::Tensor& offset) {
+    const at::Tensor& offset, int64_t method, int64_t logprobs) {
   TORCH_CHECK(target_logits.dim() == 2 && draft_token_ids.dim() == 1 && target_rows.dim() == 2,
               "packed: target_logits [T+B, V], draft_token_ids [T], target_rows [B, K+1]");
   const int64_t batch = target_rows.size(0), num_drafts = target_rows.size(1) - 1;
   return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, &target_rows,
                    &draft_rows, batch, num_drafts, num_draft_tokens, temperature, top_k, top_p,
-                   min_p, token_bitmask, seed, offset);
+                   min_p, token_bitmask, seed, offset, method, logprobs);
 }
 
-at::Tensor cpu_sample(const at::Tensor& logits, const at::Tensor& temperature,
-                      const at::Tensor& top_k, const at::Tensor& top_p,
-                      const std::optional<at::Tensor>& min_p,
-                      const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
-                      const at::Tensor& offset) {
+std::tuple<at::Tensor, at::Tensor> cpu_sample(
+    const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+    const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
+    const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
+    const at::Tensor& offset, int64_t logprobs_kind) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, "logits must be [B, V], got ",
               logits.sizes());
   const int64_t batch = logits.size(0), vocab = logits.size(1);
@@ -221,11 +237,73 @@ at::Tensor cpu_sample(const at::Tensor& logits, const at::Tensor& temperature,
   args.batch = batch;
   at::Tensor bitmask;
   set_logits(args, x, vocab, bitmask_of(token_bitmask, {batch}, vocab, bitmask), params);
+  args.logprobs_kind = logprobs_of(logprobs_kind);
   at::Tensor tokens = at::empty({batch}, x.options().dtype(at::kInt));
+  at::Tensor logprobs = logprobs_tensor(args.logprobs_kind, {batch}, x);
   args.tokens = tokens.data_ptr<int32_t>();
+  args.logprobs = logprobs.numel() ? logprobs.data_ptr<float>() : nullptr;
   at::parallel_for(0, batch, grain(1, vocab),
                    [&](int64_t begin, int64_t end) { cpu::sample(args, begin, end); });
-  return tokens;
+  return {tokens, logprobs};
+}
+
+// verify_tree (method 0 token, 1 traversal): target [B, N, V], ids / parents [B, N] (any values: nodes that
+// are not part of a tree are skipped, never read past), draft_probs [B, N, V] or none.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cpu_verify_tree(
+    const at::Tensor& target_logits, const at::Tensor& tree_token_ids, const at::Tensor& parents,
+    const std::optional<at::Tensor>& draft_probs, int64_t without_replacement,
+    const at::Tensor& num_nodes, const at::Tensor& temperature, const at::Tensor& top_k,
+    const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
+    const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
+    const at::Tensor& offset, int64_t method, int64_t logprobs_kind) {
+  TORCH_CHECK(target_logits.dim() == 3 && target_logits.size(1) >= 1 &&
+                  target_logits.size(2) >= 1,
+              "target_logits must be [B, N, V], got ", target_logits.sizes());
+  const int64_t batch = target_logits.size(0), nodes = target_logits.size(1),
+                vocab = target_logits.size(2);
+  check_cpu(target_logits, "target_logits", target_logits.sizes());
+  check_cpu(tree_token_ids, "tree_token_ids", {batch, nodes});
+  check_cpu(parents, "parents", {batch, nodes});
+  const at::Tensor target = target_logits.contiguous();
+  const at::Tensor ids = tree_token_ids.to(at::kLong).contiguous();
+  const at::Tensor par = parents.to(at::kLong).contiguous();
+  const at::Tensor live = small(num_nodes, "num_nodes", batch, at::kInt);
+  const Params params = params_of(batch, temperature, top_k, top_p, min_p, seed, offset);
+  cpu::TreeArgs args;
+  args.batch = batch;
+  args.num_nodes = nodes;
+  args.vocab = vocab;
+  args.target = target.data_ptr();
+  args.target_dtype = dtype_of(target, "target_logits");
+  at::Tensor bitmask, probs;
+  args.bitmask = bitmask_of(token_bitmask, {batch, nodes}, vocab, bitmask);
+  args.tree_token_ids = ids.data_ptr<int64_t>();
+  args.parents = par.data_ptr<int64_t>();
+  args.live_nodes = live.data_ptr<int32_t>();
+  if (draft_probs.has_value()) {
+    check_cpu(*draft_probs, "draft_probs", {batch, nodes, vocab});
+    probs = draft_probs->contiguous();
+    args.draft_probs = probs.data_ptr();
+    args.draft_probs_dtype = dtype_of(probs, "draft_probs");
+  }
+  args.draft_sampling = without_replacement ? cpu::DraftSampling::kWithoutReplacement
+                                            : cpu::DraftSampling::kIid;
+  TORCH_CHECK(method == 0 || (method == 1 && draft_probs.has_value()),
+              "method must be 0 (token) or 1 (traversal, with draft_probs)");
+  args.method = static_cast<cpu::TreeMethod>(method);
+  args.params = params.view();
+  args.logprobs_kind = logprobs_of(logprobs_kind);
+  at::Tensor out = at::empty({batch, nodes}, target.options().dtype(at::kInt));
+  at::Tensor path = at::empty({batch, nodes}, target.options().dtype(at::kInt));
+  at::Tensor accepted = at::empty({batch}, target.options().dtype(at::kInt));
+  at::Tensor logprobs = logprobs_tensor(args.logprobs_kind, {batch, nodes}, target);
+  args.output_token_ids = out.data_ptr<int32_t>();
+  args.accepted_nodes = path.data_ptr<int32_t>();
+  args.num_accepted = accepted.data_ptr<int32_t>();
+  args.logprobs = logprobs.numel() ? logprobs.data_ptr<float>() : nullptr;
+  at::parallel_for(0, batch, grain(nodes, vocab),
+                   [&](int64_t begin, int64_t end) { cpu::verify_tree(args, begin, end); });
+  return {out, path, accepted, logprobs};
 }
 
 // logits [R, V] with R = B * rows_per_request (the caller flattens [B, ..., V]).
@@ -284,16 +362,21 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def(
       "cpu_verify_chain(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
       "Tensor? draft_logits, Tensor num_draft_tokens, Tensor temperature, Tensor top_k, "
-      "Tensor top_p, Tensor? min_p, Tensor? token_bitmask, Tensor seed, Tensor offset) "
-      "-> (Tensor, Tensor)");
+      "Tensor top_p, Tensor? min_p, Tensor? token_bitmask, Tensor seed, Tensor offset, "
+      "int method, int logprobs) -> (Tensor, Tensor, Tensor)");
   m.def(
       "cpu_verify_chain_packed(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
       "Tensor? draft_logits, Tensor target_rows, Tensor draft_rows, Tensor num_draft_tokens, "
       "Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, Tensor? token_bitmask, "
-      "Tensor seed, Tensor offset) -> (Tensor, Tensor)");
+      "Tensor seed, Tensor offset, int method, int logprobs) -> (Tensor, Tensor, Tensor)");
   m.def(
       "cpu_sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, "
-      "Tensor? token_bitmask, Tensor seed, Tensor offset) -> Tensor");
+      "Tensor? token_bitmask, Tensor seed, Tensor offset, int logprobs) -> (Tensor, Tensor)");
+  m.def(
+      "cpu_verify_tree(Tensor target_logits, Tensor tree_token_ids, Tensor parents, "
+      "Tensor? draft_probs, int without_replacement, Tensor num_nodes, Tensor temperature, "
+      "Tensor top_k, Tensor top_p, Tensor? min_p, Tensor? token_bitmask, Tensor seed, "
+      "Tensor offset, int method, int logprobs) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "cpu_processed_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
       "Tensor? min_p, Tensor? token_bitmask) -> Tensor");
@@ -306,6 +389,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("cpu_verify_chain", &cpu_verify_chain);
   m.impl("cpu_verify_chain_packed", &cpu_verify_chain_packed);
   m.impl("cpu_sample", &cpu_sample);
+  m.impl("cpu_verify_tree", &cpu_verify_tree);
   m.impl("cpu_processed_probs", &cpu_processed_probs);
   m.impl("cpu_random_words", &cpu_random_words);
 }
