@@ -1207,15 +1207,6 @@ SPECDEC_INLINE void processed_probs_body(const ProbsArgs& a, int64_t begin, int6
   for (int64_t r = begin; r < end; ++r) {
     const RowView view = logits_row(a.logits, a.dtype, r, a.vocab, a.bitmask);
     const RowStats s = view_stats(view, a.params.filters(r / a.rows_per_request), scratch);
-    float* out = a.probs + r * a.vocab;
-    if (!s.has_finite || s.greedy) {
-      for (int64_t i = 0; i < a.vocab; ++i) out[i] = 0.0f;
-      if (s.has_finite) out[s.argmax] = 1.0f;
-      continue;
-    }
-    with_row(view, [&](const auto& row) {
-      const Keep keep = keep_of(s);
-      for (int64_t i = 0; i < a.vocab; ++i) out[i] = keep.weight(row(i)) / s.norm;
-    });
+    write_probs(view, s, a.probs + r * a.vocab);
   }
 }
