@@ -59,9 +59,10 @@ def test_greedy_speculation_equals_plain_decoding(models, requests):
     assert [len(t) for t in plain.tokens] == [r.max_new_tokens for r in requests] or any(
         t[-1] == eos for t in plain.tokens)
     specs = [Speculation("ngram", 3), Speculation("ngram", "adaptive", max_draft_tokens=4),
-             Speculation("model", 2), Speculation("model", 0, tree=(2, 1))]
+             Speculation("model", 2), Speculation("model", 0, tree=(2, 1)),
+             Speculation("model", 0, tree=(2, 1), children="without_replacement")]
     for spec in specs:
-        for method in E.verify_methods("tree" if spec.tree else "chain"):
+        for method in E.methods_for(spec):
             result = generate(model, requests, Sampling(), E.replace(spec, method=method),
                               draft_model=draft, eos_token_id=eos)
             assert result.tokens == plain.tokens, (spec, method)

@@ -79,8 +79,9 @@ class Stats:
     steps: int = 0
     tokens: int = 0
     wall_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    cpu_s: float = 0.0         # process CPU time (robust to a loaded machine at 1 thread)
+    draft_s: float = 0.0       # the drafter's work: its prefill, drafts, catch-up, commits
+    verify_s: float = 0.0      # the target's verify forward, verification, compaction
     accepted: int = 0          # accepted draft tokens, all requests and steps
     request_steps: int = 0     # (request, step) pairs
     drafted_at: list = field(default_factory=list)   # [depth] drafted count
@@ -103,7 +104,7 @@ class Stats:
         return self.accepted / self.request_steps if self.request_steps else 0.0
 
     def merge(self, other: "Stats") -> None:
-        for f in ("steps", "tokens", "wall_s", "draft_s", "verify_s", "accepted",
+        for f in ("steps", "tokens", "wall_s", "cpu_s", "draft_s", "verify_s", "accepted",
                   "request_steps"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for depth, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
@@ -129,13 +130,23 @@ def verify_methods(kind: str = "chain") -> tuple[str, ...]:
             if kind == "chain":
                 op(logits, torch.zeros(1, 1, dtype=torch.long), temperature=1.0, seed=0,
                    method=method)
-            else:
-                op(logits, torch.tensor([[-1, 0]]), torch.tensor([[-1, 0]]), temperature=1.0,
-                   seed=0, method=method)
+            else:  # sampled children (traversal's condition: drafts drawn from q)
+                op(logits, torch.tensor([[-1, 0]]), torch.tensor([[-1, 0]]),
+                   draft_probs=torch.full((1, 2, 4), 0.25), temperature=1.0, seed=0,
+                   method=method)
             found.append(method)
         except (TypeError, ValueError, NotImplementedError):
             continue
     return tuple(found)
+
+
+def methods_for(spec: "Speculation") -> tuple[str, ...]:
+    """The installed methods that apply to ``spec``: a chain's, or a tree's ("traversal" only
+    with sampled children: it verifies children drawn from ``q``)."""
+    if not spec.tree:
+        return verify_methods("chain")
+    return tuple(m for m in verify_methods("tree")
+                 if m != "traversal" or spec.children != "top_k")
 
 
 def _method_kwargs(op, method: str) -> dict:
@@ -255,7 +266,7 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
     max_nodes = _max_nodes(spec)
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + max_nodes + 2
     stats = Stats()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     cache = SlotCache(batch, capacity)
     kv_lens = _prefill(target, cache, [r.prompt for r in requests], device)
     pending = torch.tensor([r.prompt[-1] for r in requests], dtype=torch.long, device=device)
@@ -265,6 +276,7 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
     steps = [0] * batch                 # per request: verify calls so far (the Philox offset)
     seeds = torch.tensor([r.seed for r in requests], dtype=torch.long)
     drafter = None
+    t0 = time.perf_counter()
     if spec.drafter == "ngram":
         drafter = NgramDrafter(spec.ngram_max)
     elif spec.drafter == "model":
@@ -272,6 +284,7 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
             raise ValueError("draft_model: expected a model for drafter='model', got None")
         drafter = ModelDrafter(draft_model, [r.prompt for r in requests], capacity, device,
                                sampling, spec, seed=requests[0].seed)
+    stats.draft_s += time.perf_counter() - t0  # the draft model's prefill
     adaptive = AdaptiveLength(batch, spec.max_draft_tokens) if spec.adaptive else None
     latency = [0.0] * batch
     kept = [None] * batch
@@ -282,10 +295,11 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
         t0 = time.perf_counter()
         plan = _plan(spec, drafter, adaptive, history, live, pending, kv_lens, step_seeds,
                      offsets, sampling)
+        if plan is None and drafter is not None and hasattr(drafter, "skip"):
+            drafter.skip(pending)
         t1 = time.perf_counter()
+        commit_s = 0.0
         if plan is None:  # plain decoding
-            if drafter is not None and hasattr(drafter, "skip"):
-                drafter.skip(pending)
             visible, depth = chain_visibility(len(live), 1, device)
             logits = forward_block(target, cache, pending[:, None], kv_lens, visible, depth)
             if sampling.greedy:  # what sk.sample returns at temperature 0, without its pass
@@ -302,10 +316,12 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
             out, num_accepted, new_kv_lens = _verify(logits, plan, cache, kv_lens, sampling,
                                                      spec, step_seeds, offsets, planted_bug)
             if drafter is not None and hasattr(drafter, "commit"):
+                t_commit = time.perf_counter()
                 drafter.commit(plan, kv_lens, num_accepted, out)
+                commit_s = time.perf_counter() - t_commit
         t2 = time.perf_counter()
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
+        stats.draft_s += t1 - t0 + commit_s
+        stats.verify_s += t2 - t1 - commit_s
         stats.steps += 1
         counts = (num_accepted + 1).tolist()
         out_list = out.tolist()
@@ -334,7 +350,8 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
                 finished_rows.append(row)
                 latency[i] = time.perf_counter() - start
         if adaptive is not None and plan is not None:
-            adaptive.observe_cost(plan.tokens.shape[1] + 1, t2 - t1, t1 - t0,
+            adaptive.observe_cost(plan.tokens.shape[1] + 1, t2 - t1 - commit_s,
+                                  t1 - t0 + commit_s,
                                   max(plan.num_drafted(r) for r in range(len(live))))
         pending = out.gather(1, num_accepted[:, None]).squeeze(1).to(torch.long)
         kv_lens = new_kv_lens.to(torch.long)
@@ -350,14 +367,34 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
                 cache.select(rows)
                 kv_lens, pending = kv_lens[rows], pending[rows]
                 if drafter is not None and hasattr(drafter, "select"):
+                    t_select = time.perf_counter()
                     drafter.select(rows)
+                    stats.draft_s += time.perf_counter() - t_select
                 if adaptive is not None:
                     adaptive.select(keep)
             live = [live[r] for r in keep]
     stats.wall_s = time.perf_counter() - start
+    stats.cpu_s = time.process_time() - cpu_start
     stats.tokens = sum(len(g) for g in generated)
     stats.latency_s = latency
     return Result(generated, stats, kept if keep_cache else None)
+
+
+def warm_up(target, requests: Sequence[Request], *, draft_model=None,
+            eos_token_id: Optional[int] = None, max_new_tokens: int = 6) -> float:
+    """A few tokens of plain decoding and of each drafter, greedy and sampled, before anything
+    is timed: first calls pay one-time setup (thread pool, allocator, kernel choice), which
+    would otherwise be charged to whichever run comes first (the plain baseline). Seconds."""
+    start = time.perf_counter()
+    short = [dataclasses.replace(r, max_new_tokens=max_new_tokens) for r in requests]
+    specs = [Speculation(), Speculation("ngram", 2)]
+    if draft_model is not None:
+        specs += [Speculation("model", 2), Speculation("model", 0, tree=(2, 1))]
+    for spec in specs:
+        for sampling in (Sampling(), Sampling(1.0)):
+            generate(target, short, sampling, spec, draft_model=draft_model,
+                     eos_token_id=eos_token_id)
+    return time.perf_counter() - start
 
 
 def _max_nodes(spec: Speculation) -> int:
