@@ -135,6 +135,8 @@ def parse_args(argv=None):
     ap.add_argument("--methods", default=None, help="verification methods for every spec "
                     "(comma-separated, or 'all': every installed one that applies; default: "
                     "each spec's own, 'token' unless the preset says otherwise)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="override every "
+                    "group's token budget (short checks and time estimates)")
     ap.add_argument("--groups", default=None, help="comma-separated indices of the preset's "
                     "groups to run (default: all, in order)")
     ap.add_argument("--threads", type=int, default=2)
@@ -296,7 +298,8 @@ def main(argv=None) -> dict:
             "git_commit": commit + ("-dirty" if dirty else ""), "timestamp": _now(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "preset": args.preset, "methods": args.methods or "per spec",
-            "groups": args.groups or "all", "load_s": round(load_s, 1),
+            "groups": args.groups or "all", "max_new_tokens": args.max_new_tokens,
+            "load_s": round(load_s, 1),
             "loadavg_start": os.getloadavg(), "note": args.note}
     report = {"meta": meta, "rows": [], "checks": {}}
     started = time.perf_counter()
@@ -316,7 +319,7 @@ def main(argv=None) -> dict:
         group_start, group_cpu = time.perf_counter(), time.process_time()
         sampling = Sampling(group.temperature, group.top_k)
         requests = task_requests(tokenizer, group.task, group.prompts,
-                                 max_new_tokens=group.max_new_tokens)
+                                 max_new_tokens=args.max_new_tokens or group.max_new_tokens)
         plain_tokens, baselines = None, {}
         if group.plain:
             plain_tokens, plain_stats, _ = run_ours(model, requests, group.batch, sampling,
@@ -363,9 +366,9 @@ def main(argv=None) -> dict:
             if method not in E.verify_methods("chain"):
                 continue
             t0 = time.perf_counter()
-            result = first_two_tokens_test(model, draft, prompt, drafter=drafter,
-                                           samples=args.exactness_samples, planted_bug=bug,
-                                           method=method)
+            result = first_two_tokens_test(  # block differs from token from 2 drafts on
+                model, draft, prompt, drafter=drafter, samples=args.exactness_samples,
+                planted_bug=bug, method=method, num_draft=2 if method == "block" else None)
             result["seconds"] = round(time.perf_counter() - t0, 1)
             checks[f"{drafter}/{method}{'+' + bug if bug else ''}"] = result
         report["checks"]["first_two_tokens_law"] = checks
