@@ -1,7 +1,7 @@
 """``python -m bench.e2e``: speculative generation on a real model, side by side with plain
 decoding and transformers' own decoding, in one run.
 
-    python -m bench.e2e                         # the CPU sweep (~15 min on 2 idle CPU threads)
+    python -m bench.e2e                         # the CPU sweep (<= ~16 min on 2 idle CPU threads)
     python -m bench.e2e --preset full           # every K, both drafters, more prompts (hours)
     python -m bench.e2e --preset quick          # a few seconds of generation per row
     python -m bench.e2e --target FOLDER [--draft FOLDER | --draft-layers 8]
@@ -69,8 +69,12 @@ ALL_PEERS = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
 
 PRESETS = {
     # Ordered by what matters most, so a time budget drops the least important runs.
+    # Estimated (scaled from a 16-token run of every group, 1 thread, load ~2; upper bounds,
+    # every request at its full budget): 0: 5.5 min, 1: 4, 2: 0.7, 3: 0.8, 4 (10,240 tokens and
+    # the recomputation): 2.5, 5: 0.3, 6: 0.3, 7: 0.9, law checks 0.3, load + warm-up 0.5;
+    # ~16 min in all, less on 2 idle threads.
     "cpu": [
-        Group("copy", 1, 0.0, 2, [_ng(2), _ng(4), _ng("adaptive"), _dm(2),
+        Group("copy", 1, 0.0, 4, [_ng(2), _ng(4), _ng("adaptive"), _dm(2),
                                   _dm(0, tree=(2, 2, 1))], ALL_PEERS, max_new_tokens=128),
         Group("copy", 1, 1.0, 2, [_ng("adaptive"), _dm(2, methods=ALL_METHODS),
                                   _dm(0, tree=(2, 2, 1), children="without_replacement",

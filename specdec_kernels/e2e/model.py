@@ -155,6 +155,7 @@ class SlotCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.write_index: Optional[torch.Tensor] = None  # [B, n] positions of this forward
+        self.write_start: Optional[int] = None  # batch 1: the first of them (a slice copy)
         self.width = 0
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
@@ -164,9 +165,15 @@ class SlotCache:
             self.keys.append(key_states.new_zeros(shape))
             self.values.append(value_states.new_zeros(shape))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        index = self.write_index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-        keys.scatter_(2, index, key_states.to(keys.dtype))
-        values.scatter_(2, index, value_states.to(values.dtype))
+        if self.write_start is not None:  # one request: its positions are one slice
+            end = self.write_start + key_states.shape[2]
+            keys[:, :, self.write_start:end] = key_states
+            values[:, :, self.write_start:end] = value_states
+        else:
+            index = self.write_index[:, None, :, None].expand(-1, keys.shape[1], -1,
+                                                              keys.shape[3])
+            keys.scatter_(2, index, key_states.to(keys.dtype))
+            values.scatter_(2, index, value_states.to(values.dtype))
         return keys[:, :, :self.width], values[:, :, :self.width]
 
     def get_seq_length(self, layer_idx=0) -> int:
@@ -268,6 +275,7 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
         raise ValueError(f"cache: capacity {cache.capacity} too small for {width} positions")
     spec_positions = kv_lens[:, None] + torch.arange(span, device=device)[None, :]
     cache.write_index = spec_positions[:, write_offset:]
+    cache.write_start = width - n if batch == 1 else None  # kv_lens[0] + write_offset
     cache.width = width
     columns = torch.arange(width, device=device)
     committed = columns[None, None, :] < kv_lens[:, None, None]  # [B, 1, S]
