@@ -47,11 +47,26 @@ def test_adaptive_length_backs_off_and_probes():
     adaptive = E.AdaptiveLength(1, 8, verify_per_token=0.2)  # as if each position cost 20%
     for _ in range(20):
         adaptive.observe(0, 4, 0)
-    chosen = [adaptive.choose(0) for _ in range(16)]
-    assert chosen.count(0) == 14 and chosen.count(1) == 2   # probes every 8th step
+    chosen = [adaptive.choose(0) for _ in range(8 + 16 + 32)]
+    # Probes after 8 plain steps, then 16, then 32: each probe here accepts nothing.
+    assert [i for i, k in enumerate(chosen) if k] == [7, 23, 55]
     for _ in range(20):
         adaptive.observe(0, 8, 8)
     assert adaptive.choose(0) == 8
+
+
+def test_adaptive_length_is_one_length_per_batch():
+    adaptive = E.AdaptiveLength(16, 8, verify_per_token=0.2)
+    for _ in range(20):  # one request accepts 3 of 4 drafts, fifteen accept none
+        adaptive.observe(0, 5, 3)
+        for b in range(1, 16):
+            adaptive.observe(b, 4, 0)
+    assert adaptive.choose(0) > 0      # alone it would draft
+    assert adaptive.choose_all(16) == [0] * 16  # but the batch would pay its width
+    for _ in range(20):
+        for b in range(16):
+            adaptive.observe(b, 8, 8)
+    assert adaptive.choose_all(16) == [8] * 16
 
 
 def test_verify_methods_include_token():

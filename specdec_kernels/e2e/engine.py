@@ -165,8 +165,10 @@ class AdaptiveLength:
     ``(1 - a^(K+1)) / (1 - a)`` tokens per step at a cost ``1 + K * (verify_per_token +
     draft_per_token)`` target forwards; the ``K`` in ``0..max`` with the most tokens per cost
     wins (``0``: plain decoding for that request). Costs are fitted online from the step
-    timings. A request at ``K = 0`` probes ``K = 1`` every ``probe_every`` steps so that its
-    estimate can recover."""
+    timings. A request at ``K = 0`` probes ``K = 1`` after ``probe_every`` plain steps so that
+    its estimate can recover; a probe that accepts nothing doubles that gap (up to
+    ``8 * probe_every``: a drafter that never agrees costs ever less), one that accepts
+    resets it."""
 
     def __init__(self, batch: int, max_len: int, *, decay: float = 0.8, probe_every: int = 8,
                  verify_per_token: float = 0.05, draft_per_token: float = 0.0):
@@ -174,6 +176,9 @@ class AdaptiveLength:
         self.successes = [0.0] * batch
         self.trials = [0.0] * batch
         self.idle = [0] * batch
+        self.gap = [probe_every] * batch
+        self.probing = [False] * batch
+        self.recent = [0] * batch  # accepted since the request's last probe
         self.verify_per_token = verify_per_token
         self.draft_per_token = draft_per_token
         self._fit: list[tuple[int, float]] = []  # (positions, seconds) of verify forwards
@@ -181,25 +186,62 @@ class AdaptiveLength:
     def rate(self, b: int) -> float:
         return (self.successes[b] + 1.0) / (self.trials[b] + 2.0)
 
-    def choose(self, b: int) -> int:
-        rate = min(self.rate(b), 0.999)
+    def _best(self, rates: list[float]) -> int:
+        """The K with the most expected tokens (summed over ``rates``) per step cost."""
         per_token = self.verify_per_token + self.draft_per_token
-        best, best_value = 0, 1.0
+        best, best_value = 0, float(len(rates))
         for k in range(1, self.max_len + 1):
-            value = (1 - rate ** (k + 1)) / (1 - rate) / (1 + k * per_token)
+            value = sum((1 - r ** (k + 1)) / (1 - r) for r in rates) / (1 + k * per_token)
             if value > best_value:
                 best, best_value = k, value
-        if best == 0:
-            self.idle[b] += 1
-            if self.idle[b] % self.probe_every == 0:
-                return 1
         return best
+
+    def _plain_or_probe(self, slot: int, accepted: int) -> int:
+        """0 for a plain step, 1 for a probe. ``accepted``: since the slot's last probe."""
+        if self.probing[slot]:  # the previous step was a probe: adjust the gap
+            self.probing[slot] = False
+            self.gap[slot] = (self.probe_every if accepted
+                              else min(2 * self.gap[slot], 8 * self.probe_every))
+        self.idle[slot] += 1
+        if self.idle[slot] < self.gap[slot]:
+            return 0
+        self.idle[slot] = 0
+        self.probing[slot] = True
+        return 1
+
+    def choose(self, b: int) -> int:
+        best = self._best([min(self.rate(b), 0.999)])
+        if best:
+            self.idle[b] = 0
+            return best
+        probe = self._plain_or_probe(b, self.recent[b])
+        if probe:
+            self.recent[b] = 0
+        return probe
+
+    def choose_all(self, batch: int) -> list[int]:
+        """Every live request's length. A batch's verify forward is as wide as its longest
+        chain, so with more than one request a request's own best ``K`` would charge the
+        others for positions they do not use: one ``K`` for the batch maximises the sum of
+        the requests' expected tokens over that cost (``0``: a plain step for all, with
+        probes as for one request, kept in slot 0)."""
+        if batch == 1:
+            return [self.choose(0)]
+        best = self._best([min(self.rate(b), 0.999) for b in range(batch)])
+        if best:
+            self.idle[0] = 0
+            return [best] * batch
+        probe = self._plain_or_probe(0, sum(self.recent))
+        if probe:
+            self.recent = [0] * batch
+        return [probe] * batch
 
     def observe(self, b: int, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         self.successes[b] = self.decay * self.successes[b] + accepted
         self.trials[b] = self.decay * self.trials[b] + accepted + (accepted < drafted)
+        self.recent[b] += accepted
 
     def observe_cost(self, positions: int, seconds: float, draft_seconds: float,
                      drafted: int) -> None:
@@ -223,9 +265,9 @@ class AdaptiveLength:
                                                                        / unit)
 
     def select(self, rows: Sequence[int]) -> None:
-        self.successes = [self.successes[r] for r in rows]
-        self.trials = [self.trials[r] for r in rows]
-        self.idle = [self.idle[r] for r in rows]
+        for name in ("successes", "trials", "idle", "gap", "probing", "recent"):
+            values = getattr(self, name)
+            setattr(self, name, [values[r] for r in rows])
 
 
 @dataclass
@@ -421,7 +463,7 @@ def _plan(spec, drafter, adaptive, history, live, pending, kv_lens, seeds, offse
     if spec.tree:
         return drafter.draft_tree(spec.tree, kv_lens, pending, seeds, offsets)
     if adaptive is not None:
-        lengths = [adaptive.choose(row) for row in range(len(live))]
+        lengths = adaptive.choose_all(len(live))
     else:
         lengths = [int(spec.num_draft_tokens)] * len(live)
     if isinstance(drafter, NgramDrafter):
