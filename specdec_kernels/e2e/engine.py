@@ -171,8 +171,10 @@ class AdaptiveLength:
     resets it."""
 
     def __init__(self, batch: int, max_len: int, *, decay: float = 0.8, probe_every: int = 8,
-                 verify_per_token: float = 0.05, draft_per_token: float = 0.0):
+                 verify_per_token: float = 0.05, draft_per_token: float = 0.0,
+                 calibrate: bool = False):
         self.max_len, self.decay, self.probe_every = max_len, decay, probe_every
+        self.calibrate = calibrate  # first a plain step: the cost every K is relative to
         self.successes = [0.0] * batch
         self.trials = [0.0] * batch
         self.idle = [0] * batch
@@ -182,16 +184,26 @@ class AdaptiveLength:
         self.verify_per_token = verify_per_token
         self.draft_per_token = draft_per_token
         self._fit: list[tuple[int, float]] = []  # (positions, seconds) of verify forwards
+        self.step_seconds: dict[int, float] = {}  # positions -> decayed mean step seconds
 
     def rate(self, b: int) -> float:
         return (self.successes[b] + 1.0) / (self.trials[b] + 2.0)
 
+    def verify_cost(self, positions: int) -> float:
+        """A verify forward over ``positions`` relative to a one-position one: measured when
+        both were seen (the cost is far from linear on a CPU: two positions cost what one
+        does, three 1.4x), else the linear fit."""
+        seen = self.step_seconds
+        if positions in seen and 1 in seen and seen[1] > 0:
+            return seen[positions] / seen[1]
+        return 1 + (positions - 1) * self.verify_per_token
+
     def _best(self, rates: list[float]) -> int:
         """The K with the most expected tokens (summed over ``rates``) per step cost."""
-        per_token = self.verify_per_token + self.draft_per_token
         best, best_value = 0, float(len(rates))
         for k in range(1, self.max_len + 1):
-            value = sum((1 - r ** (k + 1)) / (1 - r) for r in rates) / (1 + k * per_token)
+            cost = self.verify_cost(k + 1) + k * self.draft_per_token
+            value = sum((1 - r ** (k + 1)) / (1 - r) for r in rates) / cost
             if value > best_value:
                 best, best_value = k, value
         return best
@@ -210,6 +222,8 @@ class AdaptiveLength:
         return 1
 
     def choose(self, b: int) -> int:
+        if self.calibrate and 1 not in self.step_seconds:
+            return 0
         best = self._best([min(self.rate(b), 0.999)])
         if best:
             self.idle[b] = 0
@@ -227,6 +241,8 @@ class AdaptiveLength:
         probes as for one request, kept in slot 0)."""
         if batch == 1:
             return [self.choose(0)]
+        if self.calibrate and 1 not in self.step_seconds:
+            return [0] * batch
         best = self._best([min(self.rate(b), 0.999) for b in range(batch)])
         if best:
             self.idle[0] = 0
@@ -246,7 +262,12 @@ class AdaptiveLength:
     def observe_cost(self, positions: int, seconds: float, draft_seconds: float,
                      drafted: int) -> None:
         """Refit ``verify_per_token`` (relative cost of one more verify position) and
-        ``draft_per_token`` from this step."""
+        ``draft_per_token`` from this step; a plain step is ``positions = 1``."""
+        previous = self.step_seconds.get(positions)
+        self.step_seconds[positions] = seconds if previous is None else (
+            0.8 * previous + 0.2 * seconds)
+        if positions == 1:
+            return
         self._fit.append((positions, seconds))
         self._fit = self._fit[-64:]
         xs = [p for p, _ in self._fit]
@@ -260,7 +281,7 @@ class AdaptiveLength:
             if base > 0:
                 self.verify_per_token = max(slope, 0.0) / base
         if drafted and seconds > 0:
-            unit = seconds / (1 + self.verify_per_token * (positions - 1))
+            unit = seconds / self.verify_cost(positions)
             self.draft_per_token = 0.8 * self.draft_per_token + 0.2 * (draft_seconds / drafted
                                                                        / unit)
 
@@ -327,7 +348,8 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
         drafter = ModelDrafter(draft_model, [r.prompt for r in requests], capacity, device,
                                sampling, spec, seed=requests[0].seed)
     stats.draft_s += time.perf_counter() - t0  # the draft model's prefill
-    adaptive = AdaptiveLength(batch, spec.max_draft_tokens) if spec.adaptive else None
+    adaptive = (AdaptiveLength(batch, spec.max_draft_tokens, calibrate=True) if spec.adaptive
+                else None)
     latency = [0.0] * batch
     kept = [None] * batch
 
@@ -395,6 +417,8 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
             adaptive.observe_cost(plan.tokens.shape[1] + 1, t2 - t1 - commit_s,
                                   t1 - t0 + commit_s,
                                   max(plan.num_drafted(r) for r in range(len(live))))
+        elif adaptive is not None:
+            adaptive.observe_cost(1, t2 - t1, 0.0, 0)
         pending = out.gather(1, num_accepted[:, None]).squeeze(1).to(torch.long)
         kv_lens = new_kv_lens.to(torch.long)
         if finished_rows:
