@@ -60,7 +60,7 @@ bench: build
 	$(PY) -m bench
 
 # Speculative generation on the embedded model, side by side with plain decoding and
-# transformers' own (~15 min on 2 CPU threads); writes bench/results/<device>-<date>/e2e.*
+# transformers' own (<= ~16 min on 2 idle CPU threads); writes bench/results/<device>-<date>/e2e.*
 e2e: build
 	$(PY) -m bench.e2e
 

@@ -1,7 +1,7 @@
 """``python -m bench.e2e``: speculative generation on a real model, side by side with plain
 decoding and transformers' own decoding, in one run.
 
-    python -m bench.e2e                         # the CPU sweep (~15 min on 2 idle CPU threads)
+    python -m bench.e2e                         # the CPU sweep (<= ~16 min on 2 idle CPU threads)
     python -m bench.e2e --preset full           # every K, both drafters, more prompts (hours)
     python -m bench.e2e --preset quick          # a few seconds of generation per row
     python -m bench.e2e --target FOLDER [--draft FOLDER | --draft-layers 8]
@@ -48,42 +48,59 @@ class Group:
     top_k: int = 0
     plain: bool = True  # False: no plain baseline (the long KV-cache check alone)
 
+    @property
+    def label(self) -> str:
+        return f"{self.task} b{self.batch} T{self.temperature:g}"
 
-def _ng(k):
-    return Speculation("ngram", k)
+
+ALL_METHODS = "all"  # a spec's methods: every installed one that applies (E.methods_for)
 
 
-def _dm(k, tree=None, children="top_k"):
-    return Speculation("model", k, tree=tree, children=children)
+def _ng(k, methods=("token",)):
+    """(spec, methods): n-gram drafts have a one-hot q, so "block" is the token law."""
+    return Speculation("ngram", k), methods
+
+
+def _dm(k, tree=None, children="top_k", methods=("token",)):
+    return Speculation("model", k, tree=tree, children=children), methods
 
 
 ALL_PEERS = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
 
 PRESETS = {
     # Ordered by what matters most, so a time budget drops the least important runs.
+    # Estimated (scaled from a 16-token run of every group, 1 thread, load ~2; upper bounds,
+    # every request at its full budget): 0: 5.5 min, 1: 4, 2: 0.7, 3: 0.8, 4 (10,240 tokens and
+    # the recomputation): 2.5, 5: 0.3, 6: 0.3, 7: 0.9, law checks 0.3, load + warm-up 0.5;
+    # ~16 min in all, less on 2 idle threads.
     "cpu": [
-        Group("copy", 1, 0.0, 1, [_ng(4), _ng("adaptive"), _dm(2), _dm(0, tree=(2, 2, 1))],
-              ALL_PEERS, max_new_tokens=128),
-        Group("rare_terms", 1, 0.0, 1, [_ng("adaptive"), _dm("adaptive")],
+        Group("copy", 1, 0.0, 4, [_ng(2), _ng(4), _ng("adaptive"), _dm(2),
+                                  _dm(0, tree=(2, 2, 1))], ALL_PEERS, max_new_tokens=128),
+        Group("copy", 1, 1.0, 2, [_ng("adaptive"), _dm(2, methods=ALL_METHODS),
+                                  _dm(0, tree=(2, 2, 1), children="without_replacement",
+                                      methods=ALL_METHODS)],
+              ("hf_plain", "hf_prompt_lookup"), max_new_tokens=128),
+        Group("rare_terms", 1, 0.0, 2, [_ng("adaptive"), _dm("adaptive")],
               ("hf_plain", "hf_prompt_lookup")),
-        Group("copy", 16, 0.0, 16, [_ng("adaptive")], max_new_tokens=48),
-        Group("copy", 1, 1.0, 1, [_ng("adaptive"), _dm(2)], ("hf_plain",),
-              max_new_tokens=128),
+        Group("copy", 16, 0.0, 16, [_ng("adaptive")], max_new_tokens=96),
         Group("long", 16, 0.0, 16, [_ng("adaptive")], keep_cache=True, max_new_tokens=640,
               plain=False),
-        Group("copy", 4, 0.0, 4, [_ng("adaptive")], max_new_tokens=64),
+        Group("copy", 4, 0.0, 4, [_ng("adaptive")], max_new_tokens=96),
         Group("rare_terms", 16, 0.0, 16, [_ng("adaptive")], max_new_tokens=48),
-        Group("long", 1, 0.0, 1, [_ng("adaptive")]),
+        Group("long", 1, 0.0, 1, [_ng("adaptive")], max_new_tokens=512),
     ],
     "full": [
-        Group("copy", 1, 0.0, 2, [_ng(2), _ng(4), _ng(8), _ng("adaptive"), _dm(2), _dm(4),
-                                  _dm("adaptive"), _dm(0, tree=(2, 2, 1))], ALL_PEERS),
+        Group("copy", 1, 0.0, 4, [_ng(1), _ng(2), _ng(4), _ng(8), _ng("adaptive"), _dm(2),
+                                  _dm(4), _dm("adaptive"), _dm(0, tree=(2, 2, 1))],
+              ALL_PEERS),
         Group("rare_terms", 1, 0.0, 2, [_ng(4), _ng("adaptive"), _dm(2), _dm("adaptive")],
               ALL_PEERS),
         Group("copy", 16, 0.0, 16, [_ng(4), _ng("adaptive")]),
-        Group("copy", 1, 1.0, 2, [_ng(4), _ng("adaptive"), _dm(2),
-                                  _dm(0, tree=(2, 2, 1), children="iid"),
-                                  _dm(0, tree=(2, 2, 1), children="without_replacement")],
+        Group("copy", 1, 1.0, 4, [_ng(4, ALL_METHODS), _ng("adaptive"),
+                                  _dm(2, methods=ALL_METHODS),
+                                  _dm(0, tree=(2, 2, 1), children="iid", methods=ALL_METHODS),
+                                  _dm(0, tree=(2, 2, 1), children="without_replacement",
+                                      methods=ALL_METHODS)],
               ("hf_plain", "hf_prompt_lookup")),
         Group("long", 16, 0.0, 16, [_ng("adaptive")], keep_cache=True),
         Group("copy", 4, 0.0, 4, [_ng(4), _ng("adaptive")]),
@@ -103,7 +120,8 @@ PRESETS = {
     "quick": [
         Group("copy", 1, 0.0, 1, [_ng(4), _ng("adaptive"), _dm(2), _dm(0, tree=(2, 1))],
               ALL_PEERS, max_new_tokens=24),
-        Group("copy", 4, 1.0, 4, [_ng("adaptive"), _dm(0, tree=(2, 1), children="iid")],
+        Group("copy", 4, 1.0, 4, [_ng("adaptive"), _dm(2, methods=ALL_METHODS),
+                                  _dm(0, tree=(2, 1), children="iid", methods=ALL_METHODS)],
               max_new_tokens=16, keep_cache=True),
     ],
 }
@@ -118,8 +136,13 @@ def parse_args(argv=None):
     ap.add_argument("--draft", default=None, help="draft model folder (same tokenizer); "
                     "default: the target's first --draft-layers layers")
     ap.add_argument("--draft-layers", type=int, default=8)
-    ap.add_argument("--methods", default=None, help="verification methods (default: every "
-                    "one the installed verify_chain accepts)")
+    ap.add_argument("--methods", default=None, help="verification methods for every spec "
+                    "(comma-separated, or 'all': every installed one that applies; default: "
+                    "each spec's own, 'token' unless the preset says otherwise)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="override every "
+                    "group's token budget (short checks and time estimates)")
+    ap.add_argument("--groups", default=None, help="comma-separated indices of the preset's "
+                    "groups to run (default: all, in order)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--time-budget", type=float, default=None,
@@ -154,6 +177,27 @@ def run_ours(model, requests, batch, sampling, spec, draft, eos, keep_cache=Fals
     return tokens, stats, kept
 
 
+def _methods(spec: Speculation, methods) -> tuple:
+    """The methods to run for a spec: ``"all"`` or a comma list / tuple, kept to those the
+    installed ops take for it."""
+    applicable = E.methods_for(spec)
+    if methods == ALL_METHODS:
+        return applicable
+    if isinstance(methods, str):
+        methods = tuple(methods.split(","))
+    return tuple(m for m in methods if m in applicable)
+
+
+def warm_up(model, draft, tokenizer) -> float:
+    """Our loop's paths (E.warm_up) and transformers' generate, before anything is timed."""
+    start = time.perf_counter()
+    requests = task_requests(tokenizer, "copy", 2, max_new_tokens=6)
+    E.warm_up(model, requests, draft_model=draft, eos_token_id=tokenizer.eos_token_id)
+    hf_generate(model, requests[:1], Sampling(), "hf_plain",
+                eos_token_id=tokenizer.eos_token_id)
+    return time.perf_counter() - start
+
+
 def _k_label(spec: Speculation):
     if spec.tree:
         return "tree" + "x".join(map(str, spec.tree))
@@ -171,6 +215,7 @@ def _row(meta, group, spec, method, stats, baselines, identical, extra):
         "target_model": meta["target_model"],
         "draft_model": meta["draft_model"] if spec.drafter == "model" else None,
         "requests": group.prompts, "tokens": stats.tokens, "wall_s": round(stats.wall_s, 3),
+        "cpu_s": round(stats.cpu_s, 3),
         "tokens_per_s": round(tokens_per_s, 3), "baselines": baselines,
         "speedup_vs_plain": round(tokens_per_s / plain, 3) if plain == plain else None,
         "mean_accepted": round(stats.mean_accepted, 4),
@@ -249,9 +294,6 @@ def main(argv=None) -> dict:
         draft = early_exit_draft(model, args.draft_layers)
     load_s = time.perf_counter() - t_load
     eos = tokenizer.eos_token_id
-    methods = (tuple(args.methods.split(",")) if args.methods
-               else E.verify_methods("chain"))
-    tree_methods = E.verify_methods("tree")
     commit, dirty = git_commit()
     date = _dt.date.today().isoformat()
     out = args.out or Path("bench/results") / f"{device.type}-{date}"
@@ -259,23 +301,29 @@ def main(argv=None) -> dict:
             "draft_model": getattr(draft, "name_or_path", "draft"),
             "git_commit": commit + ("-dirty" if dirty else ""), "timestamp": _now(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "preset": args.preset, "methods": list(methods), "load_s": round(load_s, 1),
+            "preset": args.preset, "methods": args.methods or "per spec",
+            "groups": args.groups or "all", "max_new_tokens": args.max_new_tokens,
+            "load_s": round(load_s, 1),
             "loadavg_start": os.getloadavg(), "note": args.note}
     report = {"meta": meta, "rows": [], "checks": {}}
     started = time.perf_counter()
     groups = PRESETS[args.preset]
+    if args.groups:
+        groups = [groups[int(i)] for i in args.groups.split(",")]
+    meta["warm_up_s"] = round(warm_up(model, draft, tokenizer), 1)
     try:
         from tqdm import tqdm
     except ImportError:  # progress bars are optional
         def tqdm(x, **_):
             return x
-    for group in tqdm(groups, desc="groups"):
+    for index, group in enumerate(tqdm(groups, desc="groups")):
         if args.time_budget and time.perf_counter() - started > args.time_budget:
             print(f"time budget reached: skipped {group.task} batch {group.batch}")
             continue
+        group_start, group_cpu = time.perf_counter(), time.process_time()
         sampling = Sampling(group.temperature, group.top_k)
         requests = task_requests(tokenizer, group.task, group.prompts,
-                                 max_new_tokens=group.max_new_tokens)
+                                 max_new_tokens=args.max_new_tokens or group.max_new_tokens)
         plain_tokens, baselines = None, {}
         if group.plain:
             plain_tokens, plain_stats, _ = run_ours(model, requests, group.batch, sampling,
@@ -286,9 +334,8 @@ def main(argv=None) -> dict:
                 peer_tokens, wall = hf_generate(model, requests, sampling, peer,
                                                 draft_model=draft, eos_token_id=eos)
                 baselines[peer] = round(sum(map(len, peer_tokens)) / wall, 3)
-        for spec in tqdm(group.specs, desc=f"{group.task} b{group.batch} "
-                                           f"T{group.temperature:g}", leave=False):
-            for method in (tree_methods if spec.tree else methods):
+        for spec, spec_methods in tqdm(group.specs, desc=group.label, leave=False):
+            for method in _methods(spec, args.methods or spec_methods):
                 if args.time_budget and time.perf_counter() - started > args.time_budget:
                     break
                 spec_m = E.replace(spec, method=method)
@@ -303,22 +350,31 @@ def main(argv=None) -> dict:
                     extra["kv_recompute_max_abs_diff"] = worst
                     report["checks"]["kv_cache_vs_recompute"] = {
                         "task": group.task, "batch": group.batch, "drafter": spec.drafter,
-                        "tokens": stats.tokens, "max_abs_diff": worst}
+                        "tokens": stats.tokens, "requests": len(requests),
+                        "max_abs_diff": worst, "passed": worst < 1e-4}
                 report["rows"].append(_row(meta, group, spec_m, method, stats, baselines,
                                            identical, extra))
                 write_outputs(out, report, plots=False)
+        report.setdefault("group_seconds", {})[f"{index}: {group.label}"] = {
+            "wall_s": round(time.perf_counter() - group_start, 1),
+            "cpu_s": round(time.process_time() - group_cpu, 1)}
     if args.exactness_samples and not (args.time_budget and time.perf_counter() - started
                                        > args.time_budget):
         from specdec_kernels.e2e.exactness import first_two_tokens_test
         from specdec_kernels.e2e.tasks import encode
         prompt = encode(tokenizer, "Name a colour.")
         checks = {}
-        for drafter, bug in (("ngram", None), ("model", None), ("ngram", "rows_one_late")):
+        for drafter, method, bug in (("ngram", "token", None), ("model", "token", None),
+                                     ("model", "block", None),
+                                     ("ngram", "token", "rows_one_late")):
+            if method not in E.verify_methods("chain"):
+                continue
             t0 = time.perf_counter()
-            result = first_two_tokens_test(model, draft, prompt, drafter=drafter,
-                                           samples=args.exactness_samples, planted_bug=bug)
+            result = first_two_tokens_test(  # block differs from token from 2 drafts on
+                model, draft, prompt, drafter=drafter, samples=args.exactness_samples,
+                planted_bug=bug, method=method, num_draft=2 if method == "block" else None)
             result["seconds"] = round(time.perf_counter() - t0, 1)
-            checks[f"{drafter}{'+' + bug if bug else ''}"] = result
+            checks[f"{drafter}/{method}{'+' + bug if bug else ''}"] = result
         report["checks"]["first_two_tokens_law"] = checks
     meta["loadavg_end"] = os.getloadavg()
     meta["wall_s"] = round(time.perf_counter() - started, 1)

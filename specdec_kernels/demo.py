@@ -43,6 +43,7 @@ def main(argv=None) -> None:
     requests = (task_requests(tokenizer, "copy", 2, max_new_tokens=args.tokens)
                 + task_requests(tokenizer, "rare_terms", 1, max_new_tokens=args.tokens))
     eos = tokenizer.eos_token_id
+    E.warm_up(model, requests, draft_model=draft, eos_token_id=eos, max_new_tokens=3)
     plain = E.generate(model, requests, eos_token_id=eos)
     runs = [("plain greedy decoding", plain)]
     for label, spec in (("n-gram lookup, adaptive K", E.Speculation("ngram", "adaptive")),

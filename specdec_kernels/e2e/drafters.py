@@ -161,7 +161,9 @@ class ModelDrafter:
         batch, device = pending.shape[0], pending.device
         params = self.sampling.kwargs()
         greedy = self.sampling.greedy
-        children = "top_k" if (greedy or chain) else self.spec.children
+        children = "top_k" if chain else self.spec.children
+        if greedy and children != "top_k":  # sampled children need a q with support > 1:
+            params = dict(params, temperature=1.0)  # the draft's own law at temperature 1
         parents = shape.parents.to(device).expand(batch, -1)
         attention = sk.build_tree_attention(parents, prefix_lens=kv_lens)
         tokens = torch.full((batch, shape.num_nodes), -1, dtype=torch.long, device=device)

@@ -79,8 +79,9 @@ class Stats:
     steps: int = 0
     tokens: int = 0
     wall_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    cpu_s: float = 0.0         # process CPU time (robust to a loaded machine at 1 thread)
+    draft_s: float = 0.0       # the drafter's work: its prefill, drafts, catch-up, commits
+    verify_s: float = 0.0      # the target's verify forward, verification, compaction
     accepted: int = 0          # accepted draft tokens, all requests and steps
     request_steps: int = 0     # (request, step) pairs
     drafted_at: list = field(default_factory=list)   # [depth] drafted count
@@ -103,7 +104,7 @@ class Stats:
         return self.accepted / self.request_steps if self.request_steps else 0.0
 
     def merge(self, other: "Stats") -> None:
-        for f in ("steps", "tokens", "wall_s", "draft_s", "verify_s", "accepted",
+        for f in ("steps", "tokens", "wall_s", "cpu_s", "draft_s", "verify_s", "accepted",
                   "request_steps"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for depth, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
@@ -129,13 +130,23 @@ def verify_methods(kind: str = "chain") -> tuple[str, ...]:
             if kind == "chain":
                 op(logits, torch.zeros(1, 1, dtype=torch.long), temperature=1.0, seed=0,
                    method=method)
-            else:
-                op(logits, torch.tensor([[-1, 0]]), torch.tensor([[-1, 0]]), temperature=1.0,
-                   seed=0, method=method)
+            else:  # sampled children (traversal's condition: drafts drawn from q)
+                op(logits, torch.tensor([[-1, 0]]), torch.tensor([[-1, 0]]),
+                   draft_probs=torch.full((1, 2, 4), 0.25), temperature=1.0, seed=0,
+                   method=method)
             found.append(method)
         except (TypeError, ValueError, NotImplementedError):
             continue
     return tuple(found)
+
+
+def methods_for(spec: "Speculation") -> tuple[str, ...]:
+    """The installed methods that apply to ``spec``: a chain's, or a tree's ("traversal" only
+    with sampled children: it verifies children drawn from ``q``)."""
+    if not spec.tree:
+        return verify_methods("chain")
+    return tuple(m for m in verify_methods("tree")
+                 if m != "traversal" or spec.children != "top_k")
 
 
 def _method_kwargs(op, method: str) -> dict:
@@ -154,46 +165,109 @@ class AdaptiveLength:
     ``(1 - a^(K+1)) / (1 - a)`` tokens per step at a cost ``1 + K * (verify_per_token +
     draft_per_token)`` target forwards; the ``K`` in ``0..max`` with the most tokens per cost
     wins (``0``: plain decoding for that request). Costs are fitted online from the step
-    timings. A request at ``K = 0`` probes ``K = 1`` every ``probe_every`` steps so that its
-    estimate can recover."""
+    timings. A request at ``K = 0`` probes ``K = 1`` after ``probe_every`` plain steps so that
+    its estimate can recover; a probe that accepts nothing doubles that gap (up to
+    ``8 * probe_every``: a drafter that never agrees costs ever less), one that accepts
+    resets it."""
 
     def __init__(self, batch: int, max_len: int, *, decay: float = 0.8, probe_every: int = 8,
-                 verify_per_token: float = 0.05, draft_per_token: float = 0.0):
+                 verify_per_token: float = 0.05, draft_per_token: float = 0.0,
+                 calibrate: bool = False):
         self.max_len, self.decay, self.probe_every = max_len, decay, probe_every
+        self.calibrate = calibrate  # first a plain step: the cost every K is relative to
         self.successes = [0.0] * batch
         self.trials = [0.0] * batch
         self.idle = [0] * batch
+        self.gap = [probe_every] * batch
+        self.probing = [False] * batch
+        self.recent = [0] * batch  # accepted since the request's last probe
         self.verify_per_token = verify_per_token
         self.draft_per_token = draft_per_token
         self._fit: list[tuple[int, float]] = []  # (positions, seconds) of verify forwards
+        self.step_seconds: dict[int, float] = {}  # positions -> decayed mean step seconds
 
     def rate(self, b: int) -> float:
         return (self.successes[b] + 1.0) / (self.trials[b] + 2.0)
 
-    def choose(self, b: int) -> int:
-        rate = min(self.rate(b), 0.999)
-        per_token = self.verify_per_token + self.draft_per_token
-        best, best_value = 0, 1.0
+    def verify_cost(self, positions: int) -> float:
+        """A verify forward over ``positions`` relative to a one-position one: measured when
+        both were seen (the cost is far from linear on a CPU: two positions cost what one
+        does, three 1.4x), else the linear fit."""
+        seen = self.step_seconds
+        if positions in seen and 1 in seen and seen[1] > 0:
+            return seen[positions] / seen[1]
+        return 1 + (positions - 1) * self.verify_per_token
+
+    def _best(self, rates: list[float]) -> int:
+        """The K with the most expected tokens (summed over ``rates``) per step cost."""
+        best, best_value = 0, float(len(rates))
         for k in range(1, self.max_len + 1):
-            value = (1 - rate ** (k + 1)) / (1 - rate) / (1 + k * per_token)
+            cost = self.verify_cost(k + 1) + k * self.draft_per_token
+            value = sum((1 - r ** (k + 1)) / (1 - r) for r in rates) / cost
             if value > best_value:
                 best, best_value = k, value
-        if best == 0:
-            self.idle[b] += 1
-            if self.idle[b] % self.probe_every == 0:
-                return 1
         return best
+
+    def _plain_or_probe(self, slot: int, accepted: int) -> int:
+        """0 for a plain step, 1 for a probe. ``accepted``: since the slot's last probe."""
+        if self.probing[slot]:  # the previous step was a probe: adjust the gap
+            self.probing[slot] = False
+            self.gap[slot] = (self.probe_every if accepted
+                              else min(2 * self.gap[slot], 8 * self.probe_every))
+        self.idle[slot] += 1
+        if self.idle[slot] < self.gap[slot]:
+            return 0
+        self.idle[slot] = 0
+        self.probing[slot] = True
+        return 1
+
+    def choose(self, b: int) -> int:
+        if self.calibrate and 1 not in self.step_seconds:
+            return 0
+        best = self._best([min(self.rate(b), 0.999)])
+        if best:
+            self.idle[b] = 0
+            return best
+        probe = self._plain_or_probe(b, self.recent[b])
+        if probe:
+            self.recent[b] = 0
+        return probe
+
+    def choose_all(self, batch: int) -> list[int]:
+        """Every live request's length. A batch's verify forward is as wide as its longest
+        chain, so with more than one request a request's own best ``K`` would charge the
+        others for positions they do not use: one ``K`` for the batch maximises the sum of
+        the requests' expected tokens over that cost (``0``: a plain step for all, with
+        probes as for one request, kept in slot 0)."""
+        if batch == 1:
+            return [self.choose(0)]
+        if self.calibrate and 1 not in self.step_seconds:
+            return [0] * batch
+        best = self._best([min(self.rate(b), 0.999) for b in range(batch)])
+        if best:
+            self.idle[0] = 0
+            return [best] * batch
+        probe = self._plain_or_probe(0, sum(self.recent))
+        if probe:
+            self.recent = [0] * batch
+        return [probe] * batch
 
     def observe(self, b: int, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         self.successes[b] = self.decay * self.successes[b] + accepted
         self.trials[b] = self.decay * self.trials[b] + accepted + (accepted < drafted)
+        self.recent[b] += accepted
 
     def observe_cost(self, positions: int, seconds: float, draft_seconds: float,
                      drafted: int) -> None:
         """Refit ``verify_per_token`` (relative cost of one more verify position) and
-        ``draft_per_token`` from this step."""
+        ``draft_per_token`` from this step; a plain step is ``positions = 1``."""
+        previous = self.step_seconds.get(positions)
+        self.step_seconds[positions] = seconds if previous is None else (
+            0.8 * previous + 0.2 * seconds)
+        if positions == 1:
+            return
         self._fit.append((positions, seconds))
         self._fit = self._fit[-64:]
         xs = [p for p, _ in self._fit]
@@ -207,14 +281,14 @@ class AdaptiveLength:
             if base > 0:
                 self.verify_per_token = max(slope, 0.0) / base
         if drafted and seconds > 0:
-            unit = seconds / (1 + self.verify_per_token * (positions - 1))
+            unit = seconds / self.verify_cost(positions)
             self.draft_per_token = 0.8 * self.draft_per_token + 0.2 * (draft_seconds / drafted
                                                                        / unit)
 
     def select(self, rows: Sequence[int]) -> None:
-        self.successes = [self.successes[r] for r in rows]
-        self.trials = [self.trials[r] for r in rows]
-        self.idle = [self.idle[r] for r in rows]
+        for name in ("successes", "trials", "idle", "gap", "probing", "recent"):
+            values = getattr(self, name)
+            setattr(self, name, [values[r] for r in rows])
 
 
 @dataclass
@@ -255,7 +329,7 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
     max_nodes = _max_nodes(spec)
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + max_nodes + 2
     stats = Stats()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     cache = SlotCache(batch, capacity)
     kv_lens = _prefill(target, cache, [r.prompt for r in requests], device)
     pending = torch.tensor([r.prompt[-1] for r in requests], dtype=torch.long, device=device)
@@ -265,6 +339,7 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
     steps = [0] * batch                 # per request: verify calls so far (the Philox offset)
     seeds = torch.tensor([r.seed for r in requests], dtype=torch.long)
     drafter = None
+    t0 = time.perf_counter()
     if spec.drafter == "ngram":
         drafter = NgramDrafter(spec.ngram_max)
     elif spec.drafter == "model":
@@ -272,7 +347,9 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
             raise ValueError("draft_model: expected a model for drafter='model', got None")
         drafter = ModelDrafter(draft_model, [r.prompt for r in requests], capacity, device,
                                sampling, spec, seed=requests[0].seed)
-    adaptive = AdaptiveLength(batch, spec.max_draft_tokens) if spec.adaptive else None
+    stats.draft_s += time.perf_counter() - t0  # the draft model's prefill
+    adaptive = (AdaptiveLength(batch, spec.max_draft_tokens, calibrate=True) if spec.adaptive
+                else None)
     latency = [0.0] * batch
     kept = [None] * batch
 
@@ -282,10 +359,11 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
         t0 = time.perf_counter()
         plan = _plan(spec, drafter, adaptive, history, live, pending, kv_lens, step_seeds,
                      offsets, sampling)
+        if plan is None and drafter is not None and hasattr(drafter, "skip"):
+            drafter.skip(pending)
         t1 = time.perf_counter()
+        commit_s = 0.0
         if plan is None:  # plain decoding
-            if drafter is not None and hasattr(drafter, "skip"):
-                drafter.skip(pending)
             visible, depth = chain_visibility(len(live), 1, device)
             logits = forward_block(target, cache, pending[:, None], kv_lens, visible, depth)
             if sampling.greedy:  # what sk.sample returns at temperature 0, without its pass
@@ -302,10 +380,12 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
             out, num_accepted, new_kv_lens = _verify(logits, plan, cache, kv_lens, sampling,
                                                      spec, step_seeds, offsets, planted_bug)
             if drafter is not None and hasattr(drafter, "commit"):
+                t_commit = time.perf_counter()
                 drafter.commit(plan, kv_lens, num_accepted, out)
+                commit_s = time.perf_counter() - t_commit
         t2 = time.perf_counter()
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
+        stats.draft_s += t1 - t0 + commit_s
+        stats.verify_s += t2 - t1 - commit_s
         stats.steps += 1
         counts = (num_accepted + 1).tolist()
         out_list = out.tolist()
@@ -334,8 +414,11 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
                 finished_rows.append(row)
                 latency[i] = time.perf_counter() - start
         if adaptive is not None and plan is not None:
-            adaptive.observe_cost(plan.tokens.shape[1] + 1, t2 - t1, t1 - t0,
+            adaptive.observe_cost(plan.tokens.shape[1] + 1, t2 - t1 - commit_s,
+                                  t1 - t0 + commit_s,
                                   max(plan.num_drafted(r) for r in range(len(live))))
+        elif adaptive is not None:
+            adaptive.observe_cost(1, t2 - t1, 0.0, 0)
         pending = out.gather(1, num_accepted[:, None]).squeeze(1).to(torch.long)
         kv_lens = new_kv_lens.to(torch.long)
         if finished_rows:
@@ -350,14 +433,34 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
                 cache.select(rows)
                 kv_lens, pending = kv_lens[rows], pending[rows]
                 if drafter is not None and hasattr(drafter, "select"):
+                    t_select = time.perf_counter()
                     drafter.select(rows)
+                    stats.draft_s += time.perf_counter() - t_select
                 if adaptive is not None:
                     adaptive.select(keep)
             live = [live[r] for r in keep]
     stats.wall_s = time.perf_counter() - start
+    stats.cpu_s = time.process_time() - cpu_start
     stats.tokens = sum(len(g) for g in generated)
     stats.latency_s = latency
     return Result(generated, stats, kept if keep_cache else None)
+
+
+def warm_up(target, requests: Sequence[Request], *, draft_model=None,
+            eos_token_id: Optional[int] = None, max_new_tokens: int = 6) -> float:
+    """A few tokens of plain decoding and of each drafter, greedy and sampled, before anything
+    is timed: first calls pay one-time setup (thread pool, allocator, kernel choice), which
+    would otherwise be charged to whichever run comes first (the plain baseline). Seconds."""
+    start = time.perf_counter()
+    short = [dataclasses.replace(r, max_new_tokens=max_new_tokens) for r in requests]
+    specs = [Speculation(), Speculation("ngram", 2)]
+    if draft_model is not None:
+        specs += [Speculation("model", 2), Speculation("model", 0, tree=(2, 1))]
+    for spec in specs:
+        for sampling in (Sampling(), Sampling(1.0)):
+            generate(target, short, sampling, spec, draft_model=draft_model,
+                     eos_token_id=eos_token_id)
+    return time.perf_counter() - start
 
 
 def _max_nodes(spec: Speculation) -> int:
@@ -384,7 +487,7 @@ def _plan(spec, drafter, adaptive, history, live, pending, kv_lens, seeds, offse
     if spec.tree:
         return drafter.draft_tree(spec.tree, kv_lens, pending, seeds, offsets)
     if adaptive is not None:
-        lengths = [adaptive.choose(row) for row in range(len(live))]
+        lengths = adaptive.choose_all(len(live))
     else:
         lengths = [int(spec.num_draft_tokens)] * len(live)
     if isinstance(drafter, NgramDrafter):

@@ -108,7 +108,7 @@ def exact_law(table: RowTable) -> np.ndarray:
 
 
 def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: int,
-          ngram: NgramDrafter, planted_bug: Optional[str]):
+          ngram: NgramDrafter, planted_bug: Optional[str], method: str = "token"):
     """One speculative step for a batch of requests at the given prefixes: (tokens emitted)."""
     k = table.num_draft
     batch = len(prefixes)
@@ -145,7 +145,7 @@ def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: i
             logits[b, j] = table.target[tuple(paths[b][:base + j])]
     plan = _chain_plan(drafts, num_draft, draft_logits)
     out, num_accepted, _ = _verify(logits, plan, None, torch.zeros(batch, dtype=torch.long),
-                                   sampling, Speculation(), seeds, torch.full(
+                                   sampling, Speculation(method=method), seeds, torch.full(
                                        (batch,), offset, dtype=torch.long), planted_bug)
     emitted = []
     for b in range(batch):
@@ -154,17 +154,18 @@ def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: i
 
 
 def sampled_law(table: RowTable, samples: int, *, seed: int = 0,
-                planted_bug: Optional[str] = None) -> tuple[np.ndarray, int]:
+                planted_bug: Optional[str] = None,
+                method: str = "token") -> tuple[np.ndarray, int]:
     """(counts of (x1, x2) over ``samples`` speculative requests in the cells of exact_law,
     count of requests outside them: impossible under the exact law)."""
     ngram = NgramDrafter()
     seeds = torch.arange(samples, dtype=torch.long) + seed * samples
     prefixes = [table.prompt] * samples
-    emitted = _step(table, prefixes, seeds, 0, ngram, planted_bug)
+    emitted = _step(table, prefixes, seeds, 0, ngram, planted_bug, method)
     short = [b for b, e in enumerate(emitted) if len(e) < 2 and e[0] in table.firsts]
     if short:
         more = _step(table, [table.prompt + (emitted[b][0],) for b in short], seeds[short], 1,
-                     ngram, planted_bug)
+                     ngram, planted_bug, method)
         for b, e in zip(short, more):
             emitted[b] = emitted[b] + e
     counts = np.zeros((TOP_K, TOP_K))
@@ -222,16 +223,17 @@ def chi_square(counts: np.ndarray, law: np.ndarray, *, alpha: float = 1e-3,
 
 def first_two_tokens_test(target, draft, prompt: list[int], *, drafter: str,
                           num_draft: Optional[int] = None, samples: int = 20000,
-                          planted_bug: Optional[str] = None, alpha: float = 1e-3) -> dict:
+                          planted_bug: Optional[str] = None, alpha: float = 1e-3,
+                          method: str = "token") -> dict:
     if num_draft is None:  # the draft model's paths multiply the rows needed: one draft
         num_draft = 1 if drafter == "model" else 2
     table = RowTable(target, draft, prompt, num_draft, drafter, NgramDrafter())
     law = exact_law(table)
-    counts, outside = sampled_law(table, samples, planted_bug=planted_bug)
+    counts, outside = sampled_law(table, samples, planted_bug=planted_bug, method=method)
     result = chi_square(counts, law, alpha=alpha)
     if outside:  # a pair the exact law gives probability 0
         result["p_value"] = 0.0
-    result.update(drafter=drafter, num_draft=num_draft, planted_bug=planted_bug,
+    result.update(drafter=drafter, method=method, num_draft=num_draft, planted_bug=planted_bug,
                   outside_support=outside, vocab_rows=len(table.vocab),
                   passed=result["p_value"] > alpha)
     return result
