@@ -49,6 +49,7 @@ struct RowStats {
   int64_t argmax = -1;  // lowest id among the largest logits
   float temperature = 1.0f;
   float z_lo = 0.0f;   // keep x / T >= z_lo (top-k, min-p; -inf: no cut)
+  float x_lo = 0.0f;   // the same cut on x (x >= x_lo <=> x / T >= z_lo): no division per token
   float e_tau = 0.0f;  // keep e >= e_tau (top-p; 0: no cut)
   float norm = 1.0f;   // sum of the kept e
 };
@@ -65,6 +66,8 @@ struct RowView {
 struct Scratch {
   std::vector<uint32_t> keys;
   std::vector<float> weights;
+  std::vector<uint32_t> candidate_keys;  // the tokens of the search's bin
+  std::vector<float> candidate_weights;
   std::vector<double> hist;
 };
 

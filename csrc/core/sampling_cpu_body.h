@@ -177,16 +177,33 @@ SPECDEC_INLINE float key_value(uint32_t key) {
   return bits_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
 
+// The smallest x with x / T >= z_lo (T > 0; +inf when no finite x has it), by bisection over
+// the keys: x / T is monotone in x (division rounds monotonically), so the cut x >= x_lo keeps
+// exactly the tokens x / T >= z_lo does, and the passes over the row divide once less.
+SPECDEC_INLINE float cut_of(float z_lo, float temperature) {
+  if (!(z_lo > -kInf)) return -kInf;  // (z_lo is never NaN: a NaN cut would keep nothing)
+  uint32_t lo = sort_key(-kInf), hi = sort_key(std::numeric_limits<float>::max()) + 1;
+  while (lo < hi) {  // the first key in [lo, hi] whose value passes (hi: none)
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (key_value(mid) / temperature >= z_lo) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return key_value(lo);  // key_value(key(FLT_MAX) + 1) = +inf
+}
+
 // Which tokens a row keeps and their unnormalised weight e = exp((x - x_max) / T).
 struct Keep {
-  float x_max, temperature, z_lo, e_tau;
+  float x_max, temperature, x_lo, e_tau;
   SPECDEC_INLINE float e(float x) const { return fast_exp((x - x_max) / temperature); }
   SPECDEC_INLINE float weight(float x) const {
     const float value = e(x);  // (nested selects, not a bool &: that stops the vectoriser)
-    return x / temperature >= z_lo ? (value >= e_tau ? value : 0.0f) : 0.0f;
+    return x >= x_lo ? (value >= e_tau ? value : 0.0f) : 0.0f;
   }
 };
-SPECDEC_INLINE Keep keep_of(const RowStats& s) { return Keep{s.x_max, s.temperature, s.z_lo, s.e_tau}; }
+SPECDEC_INLINE Keep keep_of(const RowStats& s) { return Keep{s.x_max, s.temperature, s.x_lo, s.e_tau}; }
 
 // The largest logit, as the largest key: an integer max reduction vectorises (a float one
 // needs -ffast-math); -inf for a row with no finite logit.
@@ -281,12 +298,21 @@ SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double tar
   double above = 0.0;
   const int top = walk_bins(hist[0], 2048, target, above);
   if (top < 0) return false;
-  // The candidates: the tokens of that bin with a weight.
+  // The candidates: the tokens of that bin with a weight, in their own buffers (keys and
+  // weights stay as they are: the caller sums the kept weights from them).
+  if (scratch.candidate_keys.size() < static_cast<size_t>(vocab)) {
+    scratch.candidate_keys.resize(vocab);
+    scratch.candidate_weights.resize(vocab);
+  }
+  const uint32_t* all_keys = keys;
+  const float* all_weights = weights;
+  keys = scratch.candidate_keys.data();
+  weights = scratch.candidate_weights.data();
   int64_t count = 0;
   for (int64_t j = 0; j < vocab; ++j) {
-    if ((keys[j] >> 21) == static_cast<uint32_t>(top) && weights[j] > 0.0f) {
-      keys[count] = keys[j];
-      weights[count] = weights[j];
+    if ((all_keys[j] >> 21) == static_cast<uint32_t>(top) && all_weights[j] > 0.0f) {
+      keys[count] = all_keys[j];
+      weights[count] = all_weights[j];
       ++count;
     }
   }
@@ -334,7 +360,7 @@ SPECDEC_INLINE void fill_candidates(const R& row, const Keep& keep, Scratch& scr
     const float x = row(i);
     keys[i] = sort_key(x);
     const float value = Mass ? keep.e(x) : (x > -kInf ? 1.0f : 0.0f);  // e(-inf) = 0
-    weights[i] = x / keep.temperature >= keep.z_lo ? value : 0.0f;
+    weights[i] = x >= keep.x_lo ? value : 0.0f;
   }
 }
 
@@ -380,13 +406,23 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
       s.z_lo = z_k > s.z_lo ? z_k : s.z_lo;
     }
   }
+  s.x_lo = cut_of(s.z_lo, temperature);
   Keep keep = keep_of(s);
   if (use_top_p) {  // the largest e whose kept mass reaches top_p of the top-k/min-p set
     fill_candidates<true>(row, keep, scratch);
     if (search_threshold(scratch, vocab, 0.0, static_cast<double>(filters.top_p), key)) {
       s.e_tau = keep.e(key_value(key));
-      keep = keep_of(s);
     }
+    // norm from the weights the search left (e where x >= x_lo, else 0): keep.weight's values
+    // in the same order, without a second exp pass.
+    const float* weights = scratch.weights.data();
+    const float e_tau = s.e_tau;
+    s.norm = lane_sum(
+        [weights, e_tau](int64_t i) SPECDEC_INLINE_LAMBDA {
+          return weights[i] >= e_tau ? weights[i] : 0.0f;
+        },
+        0, vocab);
+    return s;
   }
   s.norm = lane_sum([keep, row](int64_t i) SPECDEC_INLINE_LAMBDA { return keep.weight(row(i)); }, 0,
                     vocab);
@@ -440,12 +476,14 @@ SPECDEC_INLINE RaceResult race(const W& weight, int64_t vocab, const Stream& str
   if (any_nan || !any_positive) return RaceResult{-1, any_positive};
   const int64_t begin = best_group * kRaceGroup;
   const int64_t end = begin + kRaceGroup < vocab ? begin + kRaceGroup : vocab;
+  float group_weights[kRaceGroup];  // one vectorised pass, then the scalar race over them
+  for (int64_t i = begin; i < end; ++i) group_weights[i - begin] = weight(i);
   float best = -1.0f;
   int64_t winner = begin;
   for (int64_t i = begin; i < end; i += 4) {
     const Words words = stream.counter(static_cast<uint32_t>(i >> 2));
     for (int lane = 0; lane < 4 && i + lane < end; ++lane) {
-      const float w = weight(i + lane);
+      const float w = group_weights[i + lane - begin];
       if (!(w > 0.0f)) continue;
       const float score = w / noise_of(uniform_of(words.w[lane]));
       if (score > best) {
