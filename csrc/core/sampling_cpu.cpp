@@ -53,7 +53,9 @@ float word_uniform(uint32_t word) { return baseline::uniform_of(word); }
 float uniform_noise(float u) { return baseline::noise_of(u); }
 
 RowStats row_stats(const RowView& row, const Filters& filters, Scratch& scratch) {
-  return baseline::view_stats(row, filters, scratch);
+  RowStats stats = baseline::view_stats(row, filters, scratch);
+  stats.cache = nullptr;  // the scratch may not outlive the statistics
+  return stats;
 }
 float row_prob(const RowView& row, const RowStats& stats, int64_t token) {
   return baseline::view_prob(row, stats, token);

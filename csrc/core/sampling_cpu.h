@@ -42,6 +42,8 @@ struct Filters {
   float min_p = 0.0f;        // 0: off
 };
 
+struct CachedRow;
+
 struct RowStats {
   bool has_finite = false;
   bool greedy = false;
@@ -52,6 +54,11 @@ struct RowStats {
   float x_lo = 0.0f;   // the same cut on x (x >= x_lo <=> x / T >= z_lo): no division per token
   float e_tau = 0.0f;  // keep e >= e_tau (top-p; 0: no cut)
   float norm = 1.0f;   // sum of the kept e
+  // The kept e of every token as the norm pass wrote them (a slot of the worker's Scratch),
+  // valid while the slot's generation is this one: the race reads them instead of a second
+  // exp pass. Null from row_stats().
+  const CachedRow* cache = nullptr;
+  uint64_t cache_generation = 0;
 };
 
 // A row of V logits in its own dtype; bitmask (int32 words, bit v % 32 of word v / 32) or null.
@@ -62,8 +69,17 @@ struct RowView {
   const int32_t* bitmask = nullptr;
 };
 
-// Scratch of one worker: the search's candidate list (grows with V only).
+// A row of kept e written by the norm pass (generation: which statistics it belongs to).
+struct CachedRow {
+  std::vector<float> weights;
+  uint64_t generation = 0;
+};
+
+// Scratch of one worker: the search's candidate list and two cached rows (a target and a
+// draft row for the residual race); grows with V only.
 struct Scratch {
+  CachedRow cached[2];
+  uint64_t generation = 0;
   std::vector<uint32_t> keys;
   std::vector<float> weights;
   std::vector<uint32_t> candidate_keys;  // the tokens of the search's bin

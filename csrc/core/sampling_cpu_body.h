@@ -225,12 +225,15 @@ struct BlockSum {
   float sum;
   bool any_positive;
 };
+// With `out`, the weights are also written to out[begin, end).
 template <class W>
-SPECDEC_INLINE BlockSum block_sum(const W& weight, int64_t begin, int64_t end) {
+SPECDEC_INLINE BlockSum block_sum(const W& weight, int64_t begin, int64_t end,
+                                  float* out = nullptr) {
   float lane[kLanes] = {}, positive[kLanes] = {};
-  float buffer[kBlock];
+  float local[kBlock];
   int64_t i = begin;
   for (; i + kBlock <= end; i += kBlock) {
+    float* buffer = out != nullptr ? out + i : local;
     for (int64_t j = 0; j < kBlock; ++j) buffer[j] = weight(i + j);
     for (int64_t j = 0; j < kBlock; j += kLanes) {
       for (int l = 0; l < kLanes; ++l) {
@@ -243,6 +246,7 @@ SPECDEC_INLINE BlockSum block_sum(const W& weight, int64_t begin, int64_t end) {
   bool any_positive = false;
   for (; i < end; ++i) {
     const float w = weight(i);
+    if (out != nullptr) out[i] = w;
     total += w;
     any_positive |= w > 0.0f;
   }
@@ -254,8 +258,8 @@ SPECDEC_INLINE BlockSum block_sum(const W& weight, int64_t begin, int64_t end) {
 }
 
 template <class W>
-SPECDEC_INLINE float lane_sum(const W& weight, int64_t begin, int64_t end) {
-  return block_sum(weight, begin, end).sum;
+SPECDEC_INLINE float lane_sum(const W& weight, int64_t begin, int64_t end, float* out = nullptr) {
+  return block_sum(weight, begin, end, out).sum;
 }
 
 // ---- the threshold search (radix over keys, no sort) ----
@@ -408,6 +412,13 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
   }
   s.x_lo = cut_of(s.z_lo, temperature);
   Keep keep = keep_of(s);
+  // The next cache slot (two in turn: the race after a rejection needs the target row's and
+  // the draft row's, the last two computed).
+  CachedRow& slot = scratch.cached[scratch.generation & 1];
+  slot.generation = ++scratch.generation;
+  if (slot.weights.size() < static_cast<size_t>(vocab)) slot.weights.resize(vocab);
+  s.cache = &slot;
+  s.cache_generation = slot.generation;
   if (use_top_p) {  // the largest e whose kept mass reaches top_p of the top-k/min-p set
     fill_candidates<true>(row, keep, scratch);
     if (search_threshold(scratch, vocab, 0.0, static_cast<double>(filters.top_p), key)) {
@@ -421,11 +432,11 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
         [weights, e_tau](int64_t i) SPECDEC_INLINE_LAMBDA {
           return weights[i] >= e_tau ? weights[i] : 0.0f;
         },
-        0, vocab);
+        0, vocab, slot.weights.data());
     return s;
   }
   s.norm = lane_sum([keep, row](int64_t i) SPECDEC_INLINE_LAMBDA { return keep.weight(row(i)); }, 0,
-                    vocab);
+                    vocab, slot.weights.data());
   return s;
 }
 
@@ -444,6 +455,30 @@ struct Probs {
   float norm;
   SPECDEC_INLINE float operator()(int64_t i) const { return keep.weight(row(i)) / norm; }
 };
+
+// p from the kept e the norm pass cached: the same values as Probs, without the exp.
+struct CachedProbs {
+  const float* weights;
+  float norm;
+  SPECDEC_INLINE float operator()(int64_t i) const { return weights[i] / norm; }
+};
+SPECDEC_INLINE bool has_cache(const RowStats& s) {
+  return s.cache != nullptr && s.cache->generation == s.cache_generation;
+}
+
+// body(p) for the processed non-greedy row (view, s) with finite logits: CachedProbs while
+// the statistics' cache slot holds them, else Probs over the row.
+template <class F>
+SPECDEC_INLINE void with_probs(const RowView& view, const RowStats& s, F&& body) {
+  if (has_cache(s)) {
+    body(CachedProbs{s.cache->weights.data(), s.norm});
+    return;
+  }
+  with_row(view, [&](const auto& row) {
+    using R = std::decay_t<decltype(row)>;
+    body(Probs<R>{row, keep_of(s), s.norm});
+  });
+}
 
 // ---- the two-level race ----
 struct RaceResult {
@@ -538,10 +573,7 @@ SPECDEC_INLINE int32_t race_probs(const RowView& view, const RowStats& s, const 
   if (!s.has_finite) return -1;
   if (s.greedy) return static_cast<int32_t>(s.argmax);
   int32_t token = -1;
-  with_row(view, [&](const auto& row) {
-    using R = std::decay_t<decltype(row)>;
-    token = race(Probs<R>{row, keep_of(s), s.norm}, view.vocab, stream).token;
-  });
+  with_probs(view, s, [&](const auto& p) { token = race(p, view.vocab, stream).token; });
   return token;
 }
 
@@ -605,14 +637,11 @@ SPECDEC_INLINE void with_q(const Residual& residual, F&& body) {
         body(Zero{});
         return;
       }
-      with_row(residual.draft_view, [&](const auto& row) {
-        using R = std::decay_t<decltype(row)>;
-        if (residual.draft_stats.greedy) {  // not reached: greedy requests race nothing
-          body(OneHot{residual.draft_stats.argmax});
-        } else {
-          body(Probs<R>{row, keep_of(residual.draft_stats), residual.draft_stats.norm});
-        }
-      });
+      if (residual.draft_stats.greedy) {  // not reached: greedy requests race nothing
+        body(OneHot{residual.draft_stats.argmax});
+      } else {
+        with_probs(residual.draft_view, residual.draft_stats, body);
+      }
       return;
   }
 }
@@ -621,12 +650,11 @@ SPECDEC_INLINE void with_q(const Residual& residual, F&& body) {
 template <class F>
 SPECDEC_INLINE void with_residual(const RowView& view, const RowStats& s,
                                   const Residual& residual, float weight, F&& body) {
-  with_row(view, [&](const auto& row) {
-    using R = std::decay_t<decltype(row)>;
-    const Probs<R> p{row, keep_of(s), s.norm};
+  with_probs(view, s, [&](const auto& p) {
+    using P = std::decay_t<decltype(p)>;
     with_q(residual, [&](const auto& q) {
       using Q = std::decay_t<decltype(q)>;
-      body(ResidualWeight<Probs<R>, Q>{p, q, weight});
+      body(ResidualWeight<P, Q>{p, q, weight});
     });
   });
 }
