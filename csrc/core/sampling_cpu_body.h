@@ -199,8 +199,11 @@ struct Keep {
   float x_max, temperature, x_lo, e_tau;
   SPECDEC_INLINE float e(float x) const { return fast_exp((x - x_max) / temperature); }
   SPECDEC_INLINE float weight(float x) const {
-    const float value = e(x);  // (nested selects, not a bool &: that stops the vectoriser)
-    return x >= x_lo ? (value >= e_tau ? value : 0.0f) : 0.0f;
+    // Two selects on values computed unconditionally (nested ones, or a bool &, let the
+    // compiler sink the exp into a branch, and loops like the residual's stay scalar).
+    const float value = e(x);
+    const float kept = value >= e_tau ? value : 0.0f;
+    return x >= x_lo ? kept : 0.0f;
   }
 };
 SPECDEC_INLINE Keep keep_of(const RowStats& s) { return Keep{s.x_max, s.temperature, s.x_lo, s.e_tau}; }
