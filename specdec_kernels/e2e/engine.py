@@ -57,10 +57,11 @@ class Sampling:
 @dataclass
 class Speculation:
     """What drafts and how it is verified. ``drafter``: ``"none"`` (plain decoding),
-    ``"ngram"`` or ``"model"``. ``num_draft_tokens``: an int or ``"adaptive"`` (per request,
-    from its measured acceptance, at most ``max_draft_tokens``). ``tree``: children per depth
-    (e.g. ``(2, 2, 1)``) for a draft-model tree, with ``children`` ``"top_k"`` (deterministic),
-    ``"iid"`` or ``"without_replacement"`` (sampled from the draft's ``q``)."""
+    ``"ngram"`` or ``"model"``. ``num_draft_tokens``: an int or ``"adaptive"`` (one ``K`` per
+    batch, from the requests' measured acceptance, at most ``max_draft_tokens``). ``tree``:
+    children per depth (e.g. ``(2, 2, 1)``) for a draft-model tree, with ``children``
+    ``"top_k"`` (deterministic), ``"iid"`` or ``"without_replacement"`` (sampled from the
+    draft's ``q``)."""
     drafter: str = "none"
     num_draft_tokens: Union[int, str] = 4
     tree: Optional[tuple[int, ...]] = None

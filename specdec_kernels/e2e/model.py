@@ -107,9 +107,9 @@ def _small_row_linear(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_small_row_linear(model) -> None:
-    """Route every ``nn.Linear`` of ``model`` through :func:`_small_row_linear` (in place)."""
+    """Route every plain ``nn.Linear`` of ``model`` through :func:`_small_row_linear` (in place)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if type(module) is torch.nn.Linear:  # not subclasses (quantised, LoRA): own forward
             module.forward = types.MethodType(_small_row_linear, module)
 
 
