@@ -380,6 +380,7 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
   s.x_max = row_max(row);
   s.has_finite = s.x_max > -kInf;
   s.z_lo = -kInf;
+  s.x_lo = -kInf;  // no cut until the filters set one (also on the early returns)
   s.e_tau = 0.0f;
   s.norm = 1.0f;
   if (!s.has_finite) return s;
