@@ -74,7 +74,7 @@ PRESETS = {
     # the recomputation): 2.5, 5: 0.3, 6: 0.3, 7: 0.9, law checks 0.3, load + warm-up 0.5;
     # ~16 min in all, less on 2 idle threads.
     "cpu": [
-        Group("copy", 1, 0.0, 4, [_ng(2), _ng(4), _ng("adaptive"), _dm(2),
+        Group("copy", 1, 0.0, 4, [_ng(2), _ng(4), _ng(8), _ng("adaptive"), _dm(2),
                                   _dm(0, tree=(2, 2, 1))], ALL_PEERS, max_new_tokens=128),
         Group("copy", 1, 1.0, 2, [_ng("adaptive"), _dm(2, methods=ALL_METHODS),
                                   _dm(0, tree=(2, 2, 1), children="without_replacement",
@@ -82,7 +82,7 @@ PRESETS = {
               ("hf_plain", "hf_prompt_lookup"), max_new_tokens=128),
         Group("rare_terms", 1, 0.0, 2, [_ng("adaptive"), _dm("adaptive")],
               ("hf_plain", "hf_prompt_lookup")),
-        Group("copy", 16, 0.0, 16, [_ng("adaptive")], max_new_tokens=96),
+        Group("copy", 16, 0.0, 16, [_ng(4), _ng("adaptive")], max_new_tokens=96),
         Group("long", 16, 0.0, 16, [_ng("adaptive")], keep_cache=True, max_new_tokens=640,
               plain=False),
         Group("copy", 4, 0.0, 4, [_ng("adaptive")], max_new_tokens=96),
@@ -185,6 +185,10 @@ def _methods(spec: Speculation, methods) -> tuple:
         return applicable
     if isinstance(methods, str):
         methods = tuple(methods.split(","))
+    dropped = [m for m in methods if m not in applicable]
+    if dropped:
+        print(f"[e2e] {spec.drafter} K={spec.num_draft_tokens} tree={spec.tree}: "
+              f"{', '.join(dropped)} not run (applies: {', '.join(applicable)})", flush=True)
     return tuple(m for m in methods if m in applicable)
 
 

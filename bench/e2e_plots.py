@@ -11,8 +11,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def speedup_vs_k(rows: list[dict], path: Path) -> None:
     """Tokens/s over plain decoding against K (chains with a fixed K; adaptive drawn as a
-    dashed level), one panel per (task, batch, temperature)."""
-    panels = sorted({(r["task"], r["batch"], r["temperature"]) for r in rows})
+    dashed level), one panel per (task, batch, temperature) that has a plain baseline."""
+    panels = sorted({(r["task"], r["batch"], r["temperature"]) for r in rows
+                     if r["speedup_vs_plain"] is not None})  # a group without plain: none
+    if not panels:
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
     for ax, (task, batch, temperature) in zip(axes[0], panels):
         mine = [r for r in rows if (r["task"], r["batch"], r["temperature"])

@@ -75,8 +75,8 @@ class NgramDrafter:
                 return tokens[start:start + length].tolist()
         return []
 
-    def draft(self, histories, lengths, device) -> Optional[DraftPlan]:
-        proposals = [self.propose(h, k) for h, k in zip(histories, lengths)]
+    def plan(self, proposals: Sequence[Sequence[int]], device) -> DraftPlan:
+        """The chain plan of one proposal per request (``-1`` padded to the longest)."""
         width = max(len(p) for p in proposals)
         tokens = torch.full((len(proposals), width), -1, dtype=torch.long)
         for b, p in enumerate(proposals):

@@ -57,8 +57,9 @@ class Sampling:
 @dataclass
 class Speculation:
     """What drafts and how it is verified. ``drafter``: ``"none"`` (plain decoding),
-    ``"ngram"`` or ``"model"``. ``num_draft_tokens``: an int or ``"adaptive"`` (one ``K`` per
-    batch, from the requests' measured acceptance, at most ``max_draft_tokens``). ``tree``:
+    ``"ngram"`` or ``"model"``. ``num_draft_tokens``: an int (every request drafts that many;
+    an n-gram proposal may be shorter) or ``"adaptive"`` (per request, from its measured
+    acceptance and the measured step costs, at most ``max_draft_tokens``). ``tree``:
     children per depth (e.g. ``(2, 2, 1)``) for a draft-model tree, with ``children``
     ``"top_k"`` (deterministic), ``"iid"`` or ``"without_replacement"`` (sampled from the
     draft's ``q``)."""
@@ -67,7 +68,7 @@ class Speculation:
     tree: Optional[tuple[int, ...]] = None
     children: str = "top_k"
     method: str = DEFAULT_METHOD
-    max_draft_tokens: int = 8
+    max_draft_tokens: int = 16
     ngram_max: int = 3
 
     @property
@@ -160,134 +161,153 @@ def _method_kwargs(op, method: str) -> dict:
 
 
 class AdaptiveLength:
-    """Per-request draft length from measured acceptance and measured costs.
+    """Per-request draft lengths from measured acceptance and measured step costs.
 
-    With per-token acceptance ``a`` (decayed counts), ``K`` drafts yield
-    ``(1 - a^(K+1)) / (1 - a)`` tokens per step at a cost ``1 + K * (verify_per_token +
-    draft_per_token)`` target forwards; the ``K`` in ``0..max`` with the most tokens per cost
-    wins (``0``: plain decoding for that request). Costs are fitted online from the step
-    timings. A request at ``K = 0`` probes ``K = 1`` after ``probe_every`` plain steps so that
-    its estimate can recover; a probe that accepts nothing doubles that gap (up to
-    ``8 * probe_every``: a drafter that never agrees costs ever less), one that accepts
-    resets it."""
+    Acceptance: per request and draft position ``j``, decayed counts of how often draft ``j``
+    was accepted when it was checked (drafts ``1..j-1`` accepted), so ``a_j`` is a conditional
+    rate: copying runs (high ``a_j`` once a run started) and one-off guesses differ. Its
+    prior is the whole batch's rate at ``j`` (which leans on ``j - 1``'s), so a request with
+    few trials follows its batch. ``k`` drafts are worth ``1 + sum_{j<=k} a_1 ... a_j`` tokens.
 
-    def __init__(self, batch: int, max_len: int, *, decay: float = 0.8, probe_every: int = 8,
-                 verify_per_token: float = 0.05, draft_per_token: float = 0.0,
+    Cost: the verify forward of a step over ``T`` rows in all (a request with ``k`` drafts
+    has ``k + 1`` rows: the packed forward of :func:`~.model.forward_block` costs its rows,
+    not the batch's widest chain) is a least-squares line through the recent steps'
+    ``(T, seconds)``, or a row count's own decayed mean once it has ``MEASURED`` samples (the
+    curve is far from linear on a CPU: two rows cost what one does), plus ``k_max`` times
+    the drafter's measured time per draft level (a draft model's; an n-gram's is per step,
+    the same for every choice).
+
+    Choice: draft positions are added one at a time, the most valuable first (largest
+    ``a_1 ... a_j`` over the batch), and the allocation with the most expected tokens per
+    second along that sequence wins (none: plain decoding). A request the choice leaves at
+    ``0`` drafts probes one draft after ``probe_every`` such steps; a probe that accepts
+    nothing doubles that gap (up to ``8 * probe_every``: a drafter that never agrees costs
+    ever less), one that accepts resets it."""
+
+    MEASURED = 4   # samples of a row count before its own mean replaces the line
+    WINDOW = 64    # recent steps in the line's fit
+
+    def __init__(self, batch: int, max_len: int, *, decay: float = 0.95, probe_every: int = 8,
+                 row_cost: float = 0.25, draft_cost_per_level: bool = True,
                  calibrate: bool = False):
         self.max_len, self.decay, self.probe_every = max_len, decay, probe_every
-        self.calibrate = calibrate  # first a plain step: the cost every K is relative to
-        self.successes = [0.0] * batch
-        self.trials = [0.0] * batch
+        self.calibrate = calibrate  # first a plain step: the cost every choice is relative to
+        self.successes = [[0.0] * max_len for _ in range(batch)]  # [request][position]
+        self.trials = [[0.0] * max_len for _ in range(batch)]
         self.idle = [0] * batch
         self.gap = [probe_every] * batch
         self.probing = [False] * batch
-        self.recent = [0] * batch  # accepted since the request's last probe
-        self.verify_per_token = verify_per_token
-        self.draft_per_token = draft_per_token
-        self._fit: list[tuple[int, float]] = []  # (positions, seconds) of verify forwards
-        self.step_seconds: dict[int, float] = {}  # positions -> decayed mean step seconds
+        self.row_cost = row_cost  # one row count measured: an extra row's share of a mean row
+        self.draft_cost_per_level = draft_cost_per_level
+        self.samples: list[tuple[int, float]] = []   # recent (rows, seconds)
+        self.step_seconds: dict[int, float] = {}     # rows -> decayed mean seconds
+        self.step_count: dict[int, int] = {}
+        self.draft_level_seconds = 0.0
 
-    def rate(self, b: int) -> float:
-        return (self.successes[b] + 1.0) / (self.trials[b] + 2.0)
+    def batch_rates(self) -> list[float]:
+        """The whole batch's rate at each position (position 1's prior 1/2, position j's
+        the batch's rate at j - 1; weight 2)."""
+        out, prior = [], 0.5
+        for j in range(self.max_len):
+            successes = sum(s[j] for s in self.successes)
+            trials = sum(t[j] for t in self.trials)
+            prior = (successes + 2.0 * prior) / (trials + 2.0)
+            out.append(prior)
+        return out
 
-    def verify_cost(self, positions: int) -> float:
-        """A verify forward over ``positions`` relative to a one-position one: measured when
-        both were seen (the cost is far from linear on a CPU: two positions cost what one
-        does, three 1.4x), else the linear fit."""
-        seen = self.step_seconds
-        if positions in seen and 1 in seen and seen[1] > 0:
-            return seen[positions] / seen[1]
-        return 1 + (positions - 1) * self.verify_per_token
+    def rates(self, b: int, batch_rates: Optional[list[float]] = None) -> list[float]:
+        """``a_1 .. a_max`` of request ``b``: its counts, with the batch's rates as the prior
+        (weight 2)."""
+        prior = self.batch_rates() if batch_rates is None else batch_rates
+        return [min((s + 2.0 * p) / (t + 2.0), 0.99)
+                for s, t, p in zip(self.successes[b], self.trials[b], prior)]
 
-    def _best(self, rates: list[float]) -> int:
-        """The K with the most expected tokens (summed over ``rates``) per step cost."""
-        best, best_value = 0, float(len(rates))
-        for k in range(1, self.max_len + 1):
-            cost = self.verify_cost(k + 1) + k * self.draft_per_token
-            value = sum((1 - r ** (k + 1)) / (1 - r) for r in rates) / cost
-            if value > best_value:
-                best, best_value = k, value
-        return best
+    def verify_seconds(self, rows: int) -> float:
+        """Predicted seconds of a verify forward over ``rows`` rows (relative units before
+        anything was measured)."""
+        if self.step_count.get(rows, 0) >= self.MEASURED:
+            return self.step_seconds[rows]
+        xs = [r for r, _ in self.samples]
+        if not xs:
+            return 1.0 + self.row_cost * (rows - 1)
+        mean_x = sum(xs) / len(xs)
+        mean_y = sum(t for _, t in self.samples) / len(xs)
+        var = sum((x - mean_x) ** 2 for x in xs)
+        if var == 0:  # one row count so far: an extra row costs row_cost of a mean row
+            slope = self.row_cost * mean_y / mean_x
+        else:
+            slope = sum((x - mean_x) * (t - mean_y) for x, t in self.samples) / var
+            slope = max(slope, 0.0)
+        return max(mean_y + slope * (rows - mean_x), 1e-9)
 
-    def _plain_or_probe(self, slot: int, accepted: int) -> int:
-        """0 for a plain step, 1 for a probe. ``accepted``: since the slot's last probe."""
-        if self.probing[slot]:  # the previous step was a probe: adjust the gap
-            self.probing[slot] = False
-            self.gap[slot] = (self.probe_every if accepted
-                              else min(2 * self.gap[slot], 8 * self.probe_every))
-        self.idle[slot] += 1
-        if self.idle[slot] < self.gap[slot]:
-            return 0
-        self.idle[slot] = 0
-        self.probing[slot] = True
-        return 1
-
-    def choose(self, b: int) -> int:
-        if self.calibrate and 1 not in self.step_seconds:
-            return 0
-        best = self._best([min(self.rate(b), 0.999)])
-        if best:
-            self.idle[b] = 0
-            return best
-        probe = self._plain_or_probe(b, self.recent[b])
-        if probe:
-            self.recent[b] = 0
-        return probe
-
-    def choose_all(self, batch: int) -> list[int]:
-        """Every live request's length. A batch's verify forward is as wide as its longest
-        chain, so with more than one request a request's own best ``K`` would charge the
-        others for positions they do not use: one ``K`` for the batch maximises the sum of
-        the requests' expected tokens over that cost (``0``: a plain step for all, with
-        probes as for one request, kept in slot 0)."""
-        if batch == 1:
-            return [self.choose(0)]
-        if self.calibrate and 1 not in self.step_seconds:
+    def choose(self, available: Sequence[int]) -> list[int]:
+        """Draft lengths for the live requests; ``available[b]``: the most drafts request
+        ``b`` can have this step (an n-gram's proposal length; ``max_len`` for a model)."""
+        batch = len(available)
+        if self.calibrate and not self.samples:  # first a plain step: the unit
             return [0] * batch
-        best = self._best([min(self.rate(b), 0.999) for b in range(batch)])
-        if best:
-            self.idle[0] = 0
-            return [best] * batch
-        probe = self._plain_or_probe(0, sum(self.recent))
-        if probe:
-            self.recent = [0] * batch
-        return [probe] * batch
+        caps = [min(int(a), self.max_len) for a in available]
+        pooled = self.batch_rates()
+        rates = [self.rates(b, pooled) if caps[b] else [] for b in range(batch)]
+        lengths, best_lengths = [0] * batch, [0] * batch
+        expected, rows, widest = float(batch), batch, 0
+        best_value = expected / self.verify_seconds(rows)
+        gains = [(rates[b][0], b) for b in range(batch) if caps[b] > 0]
+        while gains:
+            i = max(range(len(gains)), key=lambda i: gains[i][0])
+            gain, b = gains[i]
+            lengths[b] += 1
+            expected += gain
+            rows += 1
+            widest = max(widest, lengths[b])
+            seconds = (self.verify_seconds(rows) + widest * self.draft_level_seconds)
+            if expected / seconds > best_value:
+                best_value, best_lengths = expected / seconds, list(lengths)
+            if lengths[b] < caps[b]:
+                gains[i] = (gain * rates[b][lengths[b]], b)
+            else:
+                gains.pop(i)
+        for b in range(batch):  # probes: a request left at 0 drafts tries one now and then
+            if best_lengths[b] or not caps[b]:
+                self.idle[b] = 0
+                continue
+            self.idle[b] += 1
+            if self.idle[b] >= self.gap[b]:
+                self.idle[b] = 0
+                self.probing[b] = True
+                best_lengths[b] = 1
+        return best_lengths
 
     def observe(self, b: int, drafted: int, accepted: int) -> None:
+        """Request ``b`` drafted ``drafted`` tokens and ``accepted`` of them were accepted:
+        positions ``1..accepted+1`` were checked (the last of them rejected unless all were
+        accepted)."""
         if drafted == 0:
             return
-        self.successes[b] = self.decay * self.successes[b] + accepted
-        self.trials[b] = self.decay * self.trials[b] + accepted + (accepted < drafted)
-        self.recent[b] += accepted
+        for j in range(min(accepted + 1, drafted)):
+            self.trials[b][j] = self.decay * self.trials[b][j] + 1.0
+            self.successes[b][j] = self.decay * self.successes[b][j] + (j < accepted)
+        if self.probing[b]:
+            self.probing[b] = False
+            self.gap[b] = (self.probe_every if accepted
+                           else min(2 * self.gap[b], 8 * self.probe_every))
 
-    def observe_cost(self, positions: int, seconds: float, draft_seconds: float,
-                     drafted: int) -> None:
-        """Refit ``verify_per_token`` (relative cost of one more verify position) and
-        ``draft_per_token`` from this step; a plain step is ``positions = 1``."""
-        previous = self.step_seconds.get(positions)
-        self.step_seconds[positions] = seconds if previous is None else (
+    def observe_cost(self, rows: int, seconds: float, draft_seconds: float = 0.0,
+                     widest: int = 0) -> None:
+        """A step's verify forward over ``rows`` rows took ``seconds``; drafting its
+        ``widest`` levels took ``draft_seconds`` (a plain step: ``rows`` = batch)."""
+        self.samples = (self.samples + [(rows, seconds)])[-self.WINDOW:]
+        previous = self.step_seconds.get(rows)
+        self.step_seconds[rows] = seconds if previous is None else (
             0.8 * previous + 0.2 * seconds)
-        if positions == 1:
-            return
-        self._fit.append((positions, seconds))
-        self._fit = self._fit[-64:]
-        xs = [p for p, _ in self._fit]
-        if len(set(xs)) >= 2:
-            n = len(xs)
-            mean_x = sum(xs) / n
-            mean_y = sum(s for _, s in self._fit) / n
-            var = sum((x - mean_x) ** 2 for x in xs)
-            slope = sum((x - mean_x) * (s - mean_y) for x, s in self._fit) / var
-            base = mean_y - slope * (mean_x - 1)
-            if base > 0:
-                self.verify_per_token = max(slope, 0.0) / base
-        if drafted and seconds > 0:
-            unit = seconds / self.verify_cost(positions)
-            self.draft_per_token = 0.8 * self.draft_per_token + 0.2 * (draft_seconds / drafted
-                                                                       / unit)
+        self.step_count[rows] = self.step_count.get(rows, 0) + 1
+        if widest and self.draft_cost_per_level:
+            per_level = draft_seconds / widest
+            self.draft_level_seconds = (per_level if not self.draft_level_seconds
+                                        else 0.8 * self.draft_level_seconds + 0.2 * per_level)
 
     def select(self, rows: Sequence[int]) -> None:
-        for name in ("successes", "trials", "idle", "gap", "probing", "recent"):
+        for name in ("successes", "trials", "idle", "gap", "probing"):
             values = getattr(self, name)
             setattr(self, name, [values[r] for r in rows])
 
@@ -349,8 +369,9 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
         drafter = ModelDrafter(draft_model, [r.prompt for r in requests], capacity, device,
                                sampling, spec, seed=requests[0].seed)
     stats.draft_s += time.perf_counter() - t0  # the draft model's prefill
-    adaptive = (AdaptiveLength(batch, spec.max_draft_tokens, calibrate=True) if spec.adaptive
-                else None)
+    adaptive = (AdaptiveLength(batch, spec.max_draft_tokens, calibrate=True,
+                               draft_cost_per_level=spec.drafter == "model")
+                if spec.adaptive else None)
     latency = [0.0] * batch
     kept = [None] * batch
 
@@ -377,7 +398,9 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
             new_kv_lens = kv_lens + 1
         else:
             nodes = torch.cat([pending[:, None], plan.tokens.clamp_min(0)], 1)
-            logits = forward_block(target, cache, nodes, kv_lens, plan.visible, plan.depth)
+            # A chain's forward is packed: request b's num_draft[b] + 1 rows only.
+            logits = forward_block(target, cache, nodes, kv_lens, plan.visible, plan.depth,
+                                   lengths=None if plan.is_tree else plan.num_draft + 1)
             out, num_accepted, new_kv_lens = _verify(logits, plan, cache, kv_lens, sampling,
                                                      spec, step_seeds, offsets, planted_bug)
             if drafter is not None and hasattr(drafter, "commit"):
@@ -415,11 +438,10 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
                 finished_rows.append(row)
                 latency[i] = time.perf_counter() - start
         if adaptive is not None and plan is not None:
-            adaptive.observe_cost(plan.tokens.shape[1] + 1, t2 - t1 - commit_s,
-                                  t1 - t0 + commit_s,
-                                  max(plan.num_drafted(r) for r in range(len(live))))
+            adaptive.observe_cost(int(plan.num_draft.sum()) + len(live), t2 - t1 - commit_s,
+                                  t1 - t0 + commit_s, int(plan.num_draft.max()))
         elif adaptive is not None:
-            adaptive.observe_cost(1, t2 - t1, 0.0, 0)
+            adaptive.observe_cost(len(live), t2 - t1)
         pending = out.gather(1, num_accepted[:, None]).squeeze(1).to(torch.long)
         kv_lens = new_kv_lens.to(torch.long)
         if finished_rows:
@@ -487,12 +509,16 @@ def _plan(spec, drafter, adaptive, history, live, pending, kv_lens, seeds, offse
         return None
     if spec.tree:
         return drafter.draft_tree(spec.tree, kv_lens, pending, seeds, offsets)
+    cap = spec.max_draft_tokens if adaptive is not None else int(spec.num_draft_tokens)
+    ngram = isinstance(drafter, NgramDrafter)
+    proposals = ([drafter.propose(history[i], cap) for i in live] if ngram else None)
     if adaptive is not None:
-        lengths = adaptive.choose_all(len(live))
+        available = [len(p) for p in proposals] if ngram else [cap] * len(live)
+        lengths = adaptive.choose(available)
     else:
-        lengths = [int(spec.num_draft_tokens)] * len(live)
-    if isinstance(drafter, NgramDrafter):
-        plan = drafter.draft([history[i] for i in live], lengths, pending.device)
+        lengths = [cap] * len(live)
+    if ngram:
+        plan = drafter.plan([p[:k] for p, k in zip(proposals, lengths)], pending.device)
     else:
         plan = drafter.draft_chain(lengths, kv_lens, pending, seeds, offsets)
     if plan is not None and plan.tokens.shape[1] == 0:
@@ -500,12 +526,26 @@ def _plan(spec, drafter, adaptive, history, live, pending, kv_lens, seeds, offse
     return plan
 
 
+def pack_chain_rows(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, n, ...]`` -> the first ``lengths[b]`` rows of each request, request-major
+    (``verify_chain_packed``'s layout)."""
+    valid = torch.arange(rows.shape[1], device=rows.device)[None, :] < lengths[:, None]
+    return rows[valid]
+
+
 def _verify(logits, plan: DraftPlan, cache: SlotCache, kv_lens, sampling: Sampling,
             spec: Speculation, seeds, offsets, planted_bug):
+    """(output_token_ids, num_accepted, new kv_lens). ``logits``: a tree's ``[B, N, V]``;
+    a chain's packed rows ``[sum(num_draft + 1), V]`` (``verify_chain_packed``)."""
     params = sampling.kwargs()
     if planted_bug == "rows_one_late" and not plan.is_tree:
-        # Planted: draft j is checked against row j + 1, as if row 0 were the first draft's.
-        logits = torch.cat([logits[:, 1:], logits[:, -1:]], 1)
+        # Planted: draft j is checked against row j + 1, as if row 0 were the first draft's
+        # (each request's last row stays its own).
+        row = torch.arange(logits.shape[0], device=logits.device)
+        last = torch.cumsum(plan.num_draft.to(torch.long) + 1, 0) - 1
+        is_last = torch.zeros_like(row, dtype=torch.bool)
+        is_last[last] = True
+        logits = logits[torch.where(is_last, row, row + 1)]
     if plan.is_tree:
         out = sk.verify_tree(logits, plan.tree_tokens(), plan.parents,
                              draft_probs=plan.draft_probs, draft_sampling=plan.draft_sampling,
@@ -515,9 +555,16 @@ def _verify(logits, plan: DraftPlan, cache: SlotCache, kv_lens, sampling: Sampli
         new_kv_lens = sk.compact_kv_cache(cache.tensors(), kv_lens, out.accepted_nodes,
                                           out.num_accepted, layout="bhsd")
         return out.output_token_ids, out.num_accepted.to(torch.long), new_kv_lens
-    out = sk.verify_chain(logits, plan.tokens, draft_logits=plan.draft_logits,
-                          num_draft_tokens=plan.num_draft, seed=seeds, offset=offsets, **params,
-                          **_method_kwargs(sk.verify_chain, spec.method))
+    num_draft = plan.num_draft.to(torch.long)
+    cu = torch.zeros(num_draft.numel() + 1, dtype=torch.long, device=num_draft.device)
+    cu[1:] = torch.cumsum(num_draft, 0)
+    draft_logits = (None if plan.draft_logits is None
+                    else pack_chain_rows(plan.draft_logits, num_draft))
+    out = sk.verify_chain_packed(logits, pack_chain_rows(plan.tokens, num_draft), cu,
+                                 max_draft_tokens=plan.tokens.shape[1],
+                                 draft_logits=draft_logits, seed=seeds, offset=offsets,
+                                 **params, **_method_kwargs(sk.verify_chain_packed,
+                                                            spec.method))
     num_accepted = out.num_accepted.to(torch.long)
     # A chain's accepted path is nodes 0..num_accepted: already in place, nothing to move.
     return out.output_token_ids, num_accepted, kv_lens + num_accepted + 1

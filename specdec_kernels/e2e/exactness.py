@@ -20,7 +20,7 @@ import torch
 import specdec_kernels as sk
 
 from .drafters import DRAFT_SEED, NgramDrafter, _chain_plan
-from .engine import Sampling, Speculation, _prefill, _verify
+from .engine import Sampling, Speculation, _prefill, _verify, pack_chain_rows
 from .model import SlotCache, forward_block
 
 TOP_K = 5
@@ -144,7 +144,7 @@ def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: i
         for j in range(int(num_draft[b]) + 1):
             logits[b, j] = table.target[tuple(paths[b][:base + j])]
     plan = _chain_plan(drafts, num_draft, draft_logits)
-    out, num_accepted, _ = _verify(logits, plan, None, torch.zeros(batch, dtype=torch.long),
+    out, num_accepted, _ = _verify(pack_chain_rows(logits, num_draft + 1), plan, None, torch.zeros(batch, dtype=torch.long),
                                    sampling, Speculation(method=method), seeds, torch.full(
                                        (batch,), offset, dtype=torch.long), planted_bug)
     emitted = []

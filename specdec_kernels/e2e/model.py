@@ -12,11 +12,13 @@ directly.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import importlib.util
 import os
 import types
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -156,12 +158,16 @@ class SlotCache:
         self.values: list[torch.Tensor] = []
         self.write_index: Optional[torch.Tensor] = None  # [B, n] positions of this forward
         self.write_start: Optional[int] = None  # batch 1: the first of them (a slice copy)
+        self.write_rows: Optional[torch.Tensor] = None  # packed forward: [T] request of row t
         self.width = 0
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if self.write_rows is not None:  # packed: [1, H, T, D], row t -> its request's slot
+            batch, heads, dim = self.batch, key_states.shape[1], key_states.shape[3]
+        else:
+            batch, heads, _, dim = key_states.shape
         if layer_idx == len(self.keys):  # first forward: allocate this layer
-            b, h, _, d = key_states.shape
-            shape = (b, h, self.capacity, d)
+            shape = (batch, heads, self.capacity, dim)
             self.keys.append(key_states.new_zeros(shape))
             self.values.append(value_states.new_zeros(shape))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
@@ -169,6 +175,11 @@ class SlotCache:
             end = self.write_start + key_states.shape[2]
             keys[:, :, self.write_start:end] = key_states
             values[:, :, self.write_start:end] = value_states
+        elif self.write_rows is not None:
+            keys[self.write_rows, :, self.write_index] = key_states[0].transpose(0, 1).to(
+                keys.dtype)
+            values[self.write_rows, :, self.write_index] = value_states[0].transpose(
+                0, 1).to(values.dtype)
         else:
             index = self.write_index[:, None, :, None].expand(-1, keys.shape[1], -1,
                                                               keys.shape[3])
@@ -190,10 +201,28 @@ class SlotCache:
         self.batch = int(rows.numel())
 
 
+@dataclass
+class _Packed:
+    """A packed forward's layout: request ``b``'s position ``i`` is row ``index[b, i]`` of
+    the one packed sequence where ``valid[b, i]`` (padding points at row 0)."""
+    index: torch.Tensor  # [B, n]
+    valid: torch.Tensor  # [B, n] bool
+
+
+_PACKED: contextvars.ContextVar = contextvars.ContextVar("specdec_packed", default=None)
+
+
 def _gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                    **kwargs):
     """SDPA over the K/V heads without copying them per query head (grouped-query attention
-    as one matmul per K/V head); ``attention_mask`` is our additive [B, 1, q, S] mask."""
+    as one matmul per K/V head); ``attention_mask`` is our additive [B, 1, q, S] mask.
+
+    In a packed forward (:func:`forward_block` with ``lengths``) the queries are one
+    sequence ``[1, heads, T, D]`` while K/V are per request: the queries are gathered per
+    request for the attention and the outputs packed again."""
+    packed = _PACKED.get()
+    if packed is not None:
+        query = query[0][:, packed.index].transpose(0, 1)  # [B, heads, n, D]
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
@@ -204,7 +233,10 @@ def _gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
             mask.shape[0], 1, groups * q_len, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                            scale=scaling)
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2), None
+    out = out.reshape(batch, heads, q_len, dim).transpose(1, 2)
+    if packed is not None:
+        out = out[packed.valid][None]  # [1, T, heads, D], request-major like the input
+    return out, None
 
 
 _REGISTERED = False
@@ -252,8 +284,9 @@ def our_attention(model):
 
 def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.Tensor,
                   visible: torch.Tensor, depth: torch.Tensor,
-                  rows: Optional[torch.Tensor] = None, write_offset: int = 0) -> torch.Tensor:
-    """One forward of ``n`` new positions per request; returns their logits.
+                  rows: Optional[torch.Tensor] = None, write_offset: int = 0,
+                  lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One forward of ``n`` new positions per request; returns their logits ``[B, n, V]``.
 
     Args:
         tokens: ``[B, n]`` ids (padding: any valid id; its rows are ignored by the caller).
@@ -266,9 +299,19 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
         rows: optional ``[B, r]`` indices of the rows whose logits are wanted (default all).
         write_offset: speculative positions already written this step (a draft tree's
             shallower levels), visible through ``visible`` only.
+        lengths: optional ``[B]``: request ``b`` has only its first ``lengths[b]`` positions
+            (``1..n``). They are packed into one sequence, so the model's matmuls see
+            ``sum(lengths)`` rows rather than ``B * n`` (on a CPU a verify forward costs about
+            its row count); returns the packed logits ``[sum(lengths), V]``, request-major
+            (``verify_chain_packed``'s row order). Not with ``rows``.
     """
     batch, n = tokens.shape
     device = tokens.device
+    if lengths is not None and batch == 1:  # one request: its first lengths[0] positions
+        used = int(lengths[0])
+        return forward_block(model, cache, tokens[:, :used], kv_lens,
+                             visible[:, :used, :write_offset + used], depth[:, :used],
+                             write_offset=write_offset)[0]
     span = write_offset + n
     width = int(kv_lens.max()) + span
     if width > cache.capacity:
@@ -276,6 +319,7 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
     spec_positions = kv_lens[:, None] + torch.arange(span, device=device)[None, :]
     cache.write_index = spec_positions[:, write_offset:]
     cache.write_start = width - n if batch == 1 else None  # kv_lens[0] + write_offset
+    cache.write_rows = None
     cache.width = width
     columns = torch.arange(width, device=device)
     committed = columns[None, None, :] < kv_lens[:, None, None]  # [B, 1, S]
@@ -285,10 +329,26 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
     mask = torch.zeros(batch, 1, n, width, dtype=dtype, device=device)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     position_ids = kv_lens[:, None] + depth
-    with our_attention(model):
-        hidden = model.base_model(input_ids=tokens, attention_mask=mask,
-                                  position_ids=position_ids, past_key_values=cache,
-                                  use_cache=True).last_hidden_state
+    packed = None
+    if lengths is not None:
+        valid = torch.arange(n, device=device)[None, :] < lengths[:, None]
+        starts = torch.cumsum(lengths, 0) - lengths
+        index = torch.where(valid, starts[:, None] + torch.arange(n, device=device), 0)
+        packed = _Packed(index, valid)
+        cache.write_rows = torch.arange(batch, device=device)[:, None].expand(batch, n)[valid]
+        cache.write_index = cache.write_index[valid]
+        tokens, position_ids = tokens[valid][None], position_ids[valid][None]
+    token = _PACKED.set(packed)
+    try:
+        with our_attention(model):
+            hidden = model.base_model(input_ids=tokens, attention_mask=mask,
+                                      position_ids=position_ids, past_key_values=cache,
+                                      use_cache=True).last_hidden_state
+    finally:
+        _PACKED.reset(token)
+        cache.write_rows = None
+    if packed is not None:
+        return model.get_output_embeddings()(hidden[0]).float()
     if rows is not None:
         hidden = hidden.gather(1, rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
     return model.get_output_embeddings()(hidden).float()
