@@ -53,7 +53,7 @@ def _probe_steps(adaptive, steps, accept=lambda k: 0):
 
 
 def test_adaptive_length_backs_off_and_probes():
-    adaptive = E.AdaptiveLength(1, 8, row_cost=0.2)  # as if each extra row cost 20%
+    adaptive = E.AdaptiveLength(1, 8, row_exponent=0.5)  # as if 4 rows cost 2x one
     for _ in range(20):
         adaptive.observe(0, 4, 0)
     # Probes after 8 plain steps, then 16, then 32: each probe here accepts nothing.
@@ -65,7 +65,7 @@ def test_adaptive_length_backs_off_and_probes():
 
 
 def test_an_accepted_probe_resets_the_gap():
-    adaptive = E.AdaptiveLength(1, 8, row_cost=0.2)
+    adaptive = E.AdaptiveLength(1, 8, row_exponent=0.5)
     for _ in range(20):
         adaptive.observe(0, 4, 0)
     assert _probe_steps(adaptive, 24) == [7, 23]           # gap 8, then 16
@@ -94,12 +94,12 @@ def test_adaptive_lengths_are_per_request():
     assert adaptive.choose([0] + [8] * 15) == [0] * 16  # no proposal, no draft
 
 
-def test_adaptive_cost_fits_a_line_then_uses_measured_counts():
+def test_adaptive_cost_fits_a_power_law_then_uses_measured_counts():
     adaptive = E.AdaptiveLength(1, 8)
     adaptive.observe_cost(1, 0.04)
-    adaptive.observe_cost(5, 0.08)
-    assert adaptive.verify_seconds(3) == pytest.approx(0.06)
+    adaptive.observe_cost(4, 0.08)                # seconds = 0.04 * rows^0.5
     assert adaptive.verify_seconds(9) == pytest.approx(0.12)
+    assert adaptive.verify_seconds(16) == pytest.approx(0.16)
     for _ in range(E.AdaptiveLength.MEASURED):  # two rows cost what one does
         adaptive.observe_cost(2, 0.04)
     assert adaptive.verify_seconds(2) == pytest.approx(0.04)
@@ -192,3 +192,20 @@ def test_first_two_tokens_law_catches_a_planted_bug(models):
 
 
 EXACTNESS_PROMPT = "Repeat after me: the cat sat on the mat. The cat sat on the"
+
+
+def test_policy_replay_counts_what_the_record_accepts():
+    """bench.e2e_policy replays draft lengths on a recorded greedy answer: a periodic answer
+    is accepted in full by the n-gram drafter, a mismatching one never; the oracle bounds
+    every policy."""
+    from bench.e2e_policy import compare, replay
+    period = [11, 12, 13, 14, 15, 16]
+    copying = [{"prompt": period * 2, "answer": period * 4}]
+    one_row = replay(copying, 1, 0, lambda rows: 1.0)
+    assert one_row["steps"] == 24 and one_row["accepted"] == 0
+    k4 = replay(copying, 1, 4, lambda rows: 1.0)
+    assert k4["steps"] == 5 and k4["accepted"] == 20  # 4 drafts + 1 a step; 24 tokens
+    ratios = compare(copying, 1, lambda rows: rows ** 0.5)
+    assert max(v for k, v in ratios.items() if k != "plain_tokens_per_s") == ratios["oracle"]
+    never = [{"prompt": [1, 2, 1, 2], "answer": [3, 4, 5, 6, 7, 8]}]
+    assert replay(never, 1, 4, lambda rows: 1.0)["accepted"] == 0
