@@ -12,7 +12,7 @@ drafting and verification outside the forward, and the cost's dependence on how 
 requests share the rows. Timings on a shared 2-core machine vary by 20% from run to run;
 a replay compares policies on the same record and costs, so its ratios do not.
 
-    python -m bench.e2e_policy                    # copy and rare_terms at batch 1 and 16
+    python -m bench.e2e_policy                    # copy and rare_terms, batch 1, 4 and 16
     python -m bench.e2e_policy --out DIR          # also writes DIR/e2e_policy.json
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ from specdec_kernels.e2e.drafters import NgramDrafter
 from specdec_kernels.e2e.model import SlotCache, chain_visibility, forward_block
 
 MAX_DRAFT = 16
-SETS = (("copy", 1, 4, 128), ("rare_terms", 1, 2, None), ("copy", 16, 16, 96),
-        ("rare_terms", 16, 16, 48))  # (task, batch, prompts, max_new_tokens)
+SETS = (("copy", 1, 4, 128), ("rare_terms", 1, 2, None), ("copy", 4, 4, 96),
+        ("copy", 16, 16, 96), ("rare_terms", 16, 16, 48))  # (task, batch, prompts, budget)
 
 Policy = Union[int, str]  # K, "adaptive" or "oracle"
 

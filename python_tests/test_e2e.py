@@ -56,25 +56,29 @@ def test_adaptive_length_backs_off_and_probes():
     adaptive = E.AdaptiveLength(1, 8, row_exponent=0.5)  # as if 4 rows cost 2x one
     for _ in range(20):
         adaptive.observe(0, 4, 0)
-    # Probes after 8 plain steps, then 16, then 32: each probe here accepts nothing.
-    assert _probe_steps(adaptive, 8 + 16 + 32) == [7, 23, 55]
+    # Probes after 4 plain steps, then 8, then 16: each probe here accepts nothing.
+    assert _probe_steps(adaptive, 4 + 8 + 16) == [3, 11, 27]
+    assert adaptive.choose([3]) == [0]
     for _ in range(20):
         adaptive.observe(0, 8, 8)
     assert adaptive.choose([8]) == [8]
     assert adaptive.choose([3]) == [3]  # never more than the drafter has
 
 
-def test_an_accepted_probe_resets_the_gap():
-    adaptive = E.AdaptiveLength(1, 8, row_exponent=0.5)
+def test_a_probe_drafts_several_and_an_accepted_one_resets_the_gap():
+    adaptive = E.AdaptiveLength(1, 16, row_exponent=0.5)
     for _ in range(20):
         adaptive.observe(0, 4, 0)
-    assert _probe_steps(adaptive, 24) == [7, 23]           # gap 8, then 16
+    chosen = [adaptive.choose([16])[0] for _ in range(4)]
+    assert chosen == [0, 0, 0, adaptive.probe_length]
+    adaptive.observe(0, adaptive.probe_length, 0)
+    assert _probe_steps(adaptive, 8 + 16) == [7, 23]     # gap 8, then 16
     assert adaptive.gap[0] == 32
-    # The next probe (gap 32) accepts its draft: the gap goes back to 8, and the next draft
-    # comes within 8 steps (sooner if the raised rate makes drafting worth it).
-    drafted = _probe_steps(adaptive, 32 + 8, accept=lambda k: k)
-    assert drafted[0] == 31 and adaptive.gap[0] == 8
-    assert drafted[1] <= 39
+    # The next probe (gap 32) accepts its drafts: the gap goes back to 4, and the next draft
+    # comes within 4 steps (sooner if the raised rates make drafting worth it).
+    drafted = _probe_steps(adaptive, 32 + 4, accept=lambda k: k)
+    assert drafted[0] == 31 and adaptive.gap[0] == 4
+    assert drafted[1] <= 35
 
 
 def test_adaptive_lengths_are_per_request():

@@ -67,11 +67,15 @@ class NgramDrafter:
         if length <= 0 or len(history) < 2:
             return []
         tokens = np.asarray(history, dtype=np.int64)
+        # Earlier positions p holding the last token; an n-gram match also needs the n - 1
+        # tokens before p to equal the history's (one vector compare per extra token).
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         for n in range(min(self.ngram_max, len(tokens) - 1), 0, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(1))
+            hits = ends[ends >= n - 1]
+            for back in range(1, n):
+                hits = hits[tokens[hits - back] == tokens[-1 - back]]
             if hits.size:
-                start = int(hits[-1]) + n
+                start = int(hits[-1]) + 1
                 return tokens[start:start + length].tolist()
         return []
 

@@ -4,10 +4,12 @@ per step, committed with our verify ops and ``compact_kv_cache``.
 Per request the loop keeps ``kv_lens[b]`` committed positions in the target's cache and one
 *pending* token (emitted, not yet in the cache). A step feeds ``[pending, drafts...]`` at
 ``kv_lens[b] + node`` (node 0 is the pending token, the tree's root), so row ``i`` of the
-target's logits is the distribution after node ``i``'s path: exactly ``verify_chain``'s
-``K + 1`` rows and ``verify_tree``'s ``N`` rows. The accepted path is then moved to the front
-of the speculative region (``compact_kv_cache``, layout ``"bhsd"``; a chain's path is already
-there), ``kv_lens += num_accepted + 1`` and the correction/bonus token becomes pending.
+target's logits is the distribution after node ``i``'s path: exactly a chain's
+``num_draft[b] + 1`` rows (the forward is packed: request ``b``'s own rows only, in
+``verify_chain_packed``'s order) and ``verify_tree``'s ``N`` rows. The accepted path is
+then moved to the front of the speculative region (``compact_kv_cache``, layout ``"bhsd"``;
+a chain's path is already there), ``kv_lens += num_accepted + 1`` and the correction/bonus
+token becomes pending.
 
 Only the public API of :mod:`specdec_kernels` is used; a verification ``method`` is passed
 through to the verify op when it takes one (see :func:`verify_methods`).
@@ -15,6 +17,7 @@ through to the verify op when it takes one (see :func:`verify_methods`).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import inspect
 import math
 import time
@@ -175,30 +178,30 @@ class AdaptiveLength:
     logs) to the recent steps, or a row count's own decayed mean once it has ``MEASURED``
     samples. Measured here (SmolLM2-135M, 2 threads): ``alpha`` ~0.4 at batch 1 (17 rows
     cost 3x one) and ~0.55 at batch 16 (a compute-bound CPU), with two rows costing what one
-    does at batch 1. Plus ``k_max`` times
-    the drafter's measured time per draft level (a draft model's; an n-gram's is per step,
-    the same for every choice).
+    does at batch 1. Plus ``k_max`` times the drafter's measured time per draft level (a
+    draft model's; an n-gram's is per step, the same for every choice).
 
     Choice: draft positions are added one at a time, the most valuable first (largest
     ``a_1 ... a_j`` over the batch), and the allocation with the most expected tokens per
-    second along that sequence wins (none: plain decoding). A request the choice leaves at
-    ``0`` drafts probes one draft after ``probe_every`` such steps; a probe that accepts
-    nothing doubles that gap (up to ``8 * probe_every``: a drafter that never agrees costs
-    ever less), one that accepts resets it."""
+    second along that sequence wins (none: plain decoding); positions less likely than
+    ``MIN_GAIN`` to be reached and accepted are not considered. A request the choice leaves
+    at ``0`` drafts probes ``probe_length`` drafts after ``probe_every`` such steps; a probe
+    that accepts nothing doubles that gap (up to ``8 * probe_every``: a drafter that never
+    agrees costs ever less), one that accepts resets it. The defaults were chosen with
+    ``bench.e2e_policy`` (replays on recorded greedy answers with measured costs)."""
 
-    MEASURED = 4   # samples of a row count before its own mean replaces the line
-    WINDOW = 64    # recent steps in the line's fit
+    MEASURED = 4   # samples of a row count before its own mean replaces the fit
+    WINDOW = 64    # recent steps in the fit
+    MIN_GAIN = 0.01  # a draft position less likely than this to be reached and accepted
 
-    def __init__(self, batch: int, max_len: int, *, decay: float = 0.95, probe_every: int = 8,
-                 row_exponent: float = 0.4, draft_cost_per_level: bool = True,
-                 prior: Optional[float] = None, calibrate: bool = False):
+    def __init__(self, batch: int, max_len: int, *, decay: float = 0.95, probe_every: int = 4,
+                 probe_length: int = 8, row_exponent: float = 0.4,
+                 draft_cost_per_level: bool = True, prior: float = 0.5,
+                 calibrate: bool = False):
         self.max_len, self.decay, self.probe_every = max_len, decay, probe_every
-        # Acceptance at position 1 before anything was checked: 1/2 for one request, less
-        # for a batch, whose verify steps are compute-bound, so a wasted row costs more: at
-        # batch 16 (1/4) a batch starts as plain decoding and drafts on its probes' evidence.
-        # Simulated on recorded greedy runs with measured costs: rare_terms b16 at 0.995x
-        # plain with 1/4, 0.955x with 1/2; copy b16 1.18x against 1.23x.
-        self.prior = 0.5 / (1 + math.log2(batch) / 4) if prior is None else prior
+        self.probe_length = probe_length  # a probe drafts this many (when the drafter has
+        # them): one that accepts teaches the rates of the later positions too
+        self.prior = prior  # acceptance at position 1 before anything was checked
         self.calibrate = calibrate  # first a plain step: the cost every choice is relative to
         self.successes = [[0.0] * max_len for _ in range(batch)]  # [request][position]
         self.trials = [[0.0] * max_len for _ in range(batch)]
@@ -208,13 +211,14 @@ class AdaptiveLength:
         self.row_exponent = row_exponent  # before two row counts are measured
         self.draft_cost_per_level = draft_cost_per_level
         self.samples: list[tuple[int, float]] = []   # recent (rows, seconds)
+        self._fit: Optional[tuple[float, float, float]] = None
         self.step_seconds: dict[int, float] = {}     # rows -> decayed mean seconds
         self.step_count: dict[int, int] = {}
         self.draft_level_seconds = 0.0
 
     def batch_rates(self) -> list[float]:
-        """The whole batch's rate at each position (position 1's prior ``self.prior``,
-        position j's the batch's rate at j - 1; weight 2)."""
+        """The whole batch's rate at each position (position 1's prior ``prior``, position
+        j's the batch's rate at j - 1; weight 2)."""
         out, prior = [], self.prior
         for j in range(self.max_len):
             successes = sum(s[j] for s in self.successes)
@@ -230,6 +234,20 @@ class AdaptiveLength:
         return [min((s + 2.0 * p) / (t + 2.0), 0.99)
                 for s, t, p in zip(self.successes[b], self.trials[b], prior)]
 
+    def _power_law(self) -> tuple[float, float, float]:
+        """(mean log rows, mean log seconds, exponent) of the recent steps (cached)."""
+        if self._fit is None:
+            xs = [math.log(r) for r, _ in self.samples]
+            ys = [math.log(max(t, 1e-9)) for _, t in self.samples]
+            mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mean_x) ** 2 for x in xs)
+            exponent = self.row_exponent
+            if var > 1e-6:
+                slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
+                exponent = min(max(slope, 0.0), 1.0)
+            self._fit = (mean_x, mean_y, exponent)
+        return self._fit
+
     def verify_seconds(self, rows: int) -> float:
         """Predicted seconds of a verify forward over ``rows`` rows (relative units before
         anything was measured)."""
@@ -237,14 +255,7 @@ class AdaptiveLength:
             return self.step_seconds[rows]
         if not self.samples:
             return float(rows) ** self.row_exponent
-        xs = [math.log(r) for r, _ in self.samples]
-        ys = [math.log(max(t, 1e-9)) for _, t in self.samples]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mean_x) ** 2 for x in xs)
-        exponent = self.row_exponent
-        if var > 1e-6:
-            slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
-            exponent = min(max(slope, 0.0), 1.0)
+        mean_x, mean_y, exponent = self._power_law()
         return math.exp(mean_y + exponent * (math.log(rows) - mean_x))
 
     def choose(self, available: Sequence[int]) -> list[int]:
@@ -259,10 +270,10 @@ class AdaptiveLength:
         lengths, best_lengths = [0] * batch, [0] * batch
         expected, rows, widest = float(batch), batch, 0
         best_value = expected / self.verify_seconds(rows)
-        gains = [(rates[b][0], b) for b in range(batch) if caps[b] > 0]
-        while gains:
-            i = max(range(len(gains)), key=lambda i: gains[i][0])
-            gain, b = gains[i]
+        gains = [(-rates[b][0], b) for b in range(batch) if caps[b] > 0]  # a max-heap
+        heapq.heapify(gains)
+        while gains and -gains[0][0] >= self.MIN_GAIN:
+            gain, b = -gains[0][0], gains[0][1]
             lengths[b] += 1
             expected += gain
             rows += 1
@@ -271,9 +282,9 @@ class AdaptiveLength:
             if expected / seconds > best_value:
                 best_value, best_lengths = expected / seconds, list(lengths)
             if lengths[b] < caps[b]:
-                gains[i] = (gain * rates[b][lengths[b]], b)
+                heapq.heapreplace(gains, (-gain * rates[b][lengths[b]], b))
             else:
-                gains.pop(i)
+                heapq.heappop(gains)
         for b in range(batch):  # probes: a request left at 0 drafts tries one now and then
             if best_lengths[b] or not caps[b]:
                 self.idle[b] = 0
@@ -282,7 +293,7 @@ class AdaptiveLength:
             if self.idle[b] >= self.gap[b]:
                 self.idle[b] = 0
                 self.probing[b] = True
-                best_lengths[b] = 1
+                best_lengths[b] = min(self.probe_length, caps[b])
         return best_lengths
 
     def observe(self, b: int, drafted: int, accepted: int) -> None:
@@ -304,6 +315,7 @@ class AdaptiveLength:
         """A step's verify forward over ``rows`` rows took ``seconds``; drafting its
         ``widest`` levels took ``draft_seconds`` (a plain step: ``rows`` = batch)."""
         self.samples = (self.samples + [(rows, seconds)])[-self.WINDOW:]
+        self._fit = None
         previous = self.step_seconds.get(rows)
         self.step_seconds[rows] = seconds if previous is None else (
             0.8 * previous + 0.2 * seconds)

@@ -144,9 +144,10 @@ def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: i
         for j in range(int(num_draft[b]) + 1):
             logits[b, j] = table.target[tuple(paths[b][:base + j])]
     plan = _chain_plan(drafts, num_draft, draft_logits)
-    out, num_accepted, _ = _verify(pack_chain_rows(logits, num_draft + 1), plan, None, torch.zeros(batch, dtype=torch.long),
-                                   sampling, Speculation(method=method), seeds, torch.full(
-                                       (batch,), offset, dtype=torch.long), planted_bug)
+    out, num_accepted, _ = _verify(pack_chain_rows(logits, num_draft + 1), plan, None,
+                                   torch.zeros(batch, dtype=torch.long), sampling,
+                                   Speculation(method=method), seeds,
+                                   torch.full((batch,), offset, dtype=torch.long), planted_bug)
     emitted = []
     for b in range(batch):
         emitted.append([table.vocab[t] for t in out[b, :int(num_accepted[b]) + 1].tolist()])
