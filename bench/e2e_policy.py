@@ -43,26 +43,28 @@ def record(model, requests: Sequence[E.Request], eos: Optional[int]) -> list[dic
     return [{"prompt": list(r.prompt), "answer": a} for r, a in zip(requests, result.tokens)]
 
 
-def measure_costs(model, batch: int, context: int = 300, reps: int = 3) -> dict[int, float]:
+def measure_costs(model, batch: int, context: int = 300, rounds: int = 5) -> dict[int, float]:
     """Seconds of a packed verify forward over ``T`` rows for a batch of ``batch`` requests
-    (rows spread evenly), at a few ``T`` from ``batch`` to ``batch * (MAX_DRAFT + 1)``."""
+    (rows spread evenly), at a few ``T`` from ``batch`` to ``batch * (MAX_DRAFT + 1)``:
+    the median of ``rounds`` rounds that each visit every ``T`` once (the machine's speed
+    drifts, and a drift then moves every ``T`` alike)."""
     width = MAX_DRAFT + 1
     totals = sorted({batch * m for m in (1, 2, 3, 5, 9, width)} | {batch + 1, batch + 2}
                     if batch > 1 else set(range(1, 9)) | {10, 12, 14, width})
-    costs = {}
-    for total in totals:
-        lengths = torch.tensor([total // batch + (b < total % batch) for b in range(batch)])
-        cache = SlotCache(batch, context + width + 1)
-        kv_lens = E._prefill(model, cache, [[5] * (context + 1)] * batch, "cpu")
-        tokens = torch.full((batch, width), 7)
-        visible, depth = chain_visibility(batch, width, "cpu")
-        times = []
-        for _ in range(reps + 1):  # the first forward of a shape warms it up
+    cache = SlotCache(batch, context + width + 1)
+    kv_lens = E._prefill(model, cache, [[5] * (context + 1)] * batch, "cpu")
+    tokens = torch.full((batch, width), 7)
+    visible, depth = chain_visibility(batch, width, "cpu")
+    times: dict[int, list[float]] = {total: [] for total in totals}
+    for round_index in range(rounds + 1):  # round 0 warms every shape up
+        for total in totals:
+            lengths = torch.tensor([total // batch + (b < total % batch)
+                                    for b in range(batch)])
             start = time.perf_counter()
             forward_block(model, cache, tokens, kv_lens, visible, depth, lengths=lengths)
-            times.append(time.perf_counter() - start)
-        costs[total] = statistics.median(times[1:])
-    return costs
+            if round_index:
+                times[total].append(time.perf_counter() - start)
+    return {total: statistics.median(t) for total, t in times.items()}
 
 
 def interpolate(costs: dict[int, float], rows: int) -> float:

@@ -43,6 +43,27 @@ def test_ngram_proposes_the_latest_continuation():
     assert drafter.propose([4, 9, 4], 5) == [9, 4]      # shorter than asked at the end
 
 
+def _latest_continuation(history, length, ngram_max=3):
+    """The definition: the continuation of the most recent earlier occurrence of the
+    longest suffix n-gram (n = ngram_max .. 1), by brute force."""
+    for n in range(min(ngram_max, len(history) - 1), 0, -1):
+        suffix = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == suffix:
+                return history[start + n:start + n + length]
+    return []
+
+
+def test_ngram_lookup_equals_the_definition_on_random_histories():
+    import random
+    drafter, rng = NgramDrafter(ngram_max=3), random.Random(0)
+    for _ in range(2000):
+        alphabet = rng.choice([2, 3, 5, 20])
+        history = [rng.randrange(alphabet) for _ in range(rng.randint(2, 40))]
+        length = rng.randint(1, 6)
+        assert drafter.propose(history, length) == _latest_continuation(history, length)
+
+
 def _probe_steps(adaptive, steps, accept=lambda k: 0):
     chosen = []
     for _ in range(steps):
@@ -112,7 +133,8 @@ def test_adaptive_cost_fits_a_power_law_then_uses_measured_counts():
 def test_packed_forward_equals_the_padded_one(models):
     """Requests with different numbers of new positions in one packed forward: the same
     logits and committed K/V as the padded forward."""
-    from specdec_kernels.e2e.model import SlotCache, chain_visibility, forward_block
+    from specdec_kernels.e2e.model import (SlotCache, _split_rows, chain_visibility,
+                                           forward_block)
     model, _, _ = models
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=generator).tolist()
@@ -120,7 +142,8 @@ def test_packed_forward_equals_the_padded_one(models):
     caches = [SlotCache(4, 80) for _ in range(2)]
     kv_lens = [E._prefill(model, c, prompts, "cpu") for c in caches]
     tokens = torch.randint(0, 1000, (4, 5), generator=generator)
-    lengths = torch.tensor([5, 1, 3, 2])
+    lengths = torch.tensor([5, 1, 3, 2])  # attention: 3 rows batched, request 0's last 2 alone
+    assert _split_rows(lengths.tolist()) == 3
     visible, depth = chain_visibility(4, 5, "cpu")
     padded = forward_block(model, caches[0], tokens, kv_lens[0], visible, depth)
     packed = forward_block(model, caches[1], tokens, kv_lens[1], visible, depth,

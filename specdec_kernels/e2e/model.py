@@ -204,39 +204,72 @@ class SlotCache:
 @dataclass
 class _Packed:
     """A packed forward's layout: request ``b``'s position ``i`` is row ``index[b, i]`` of
-    the one packed sequence where ``valid[b, i]`` (padding points at row 0)."""
+    the one packed sequence where ``valid[b, i]`` (padding points at row 0). Attention runs
+    rows ``0..split-1`` of every request as one padded batch and the rest of each longer
+    request (``long``: ``(b, first row, rows, its key width)``) on its own, so one long
+    chain does not pad every request's queries to its length."""
     index: torch.Tensor  # [B, n]
     valid: torch.Tensor  # [B, n] bool
+    split: int
+    long: list
+
+
+PER_CALL_ROWS = 4  # an attention call of its own costs about this many padded query rows
+
+
+def _split_rows(lengths: list[int]) -> int:
+    """The batched part's row count minimising padded query rows plus the calls of the
+    longer requests' remainders."""
+    def cost(split):
+        rest = [n - split for n in lengths if n > split]
+        return len(lengths) * split + sum(rest) + PER_CALL_ROWS * len(rest)
+    return min(sorted(set(lengths)), key=cost)
 
 
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("specdec_packed", default=None)
 
 
-def _gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                   **kwargs):
-    """SDPA over the K/V heads without copying them per query head (grouped-query attention
-    as one matmul per K/V head); ``attention_mask`` is our additive [B, 1, q, S] mask.
-
-    In a packed forward (:func:`forward_block` with ``lengths``) the queries are one
-    sequence ``[1, heads, T, D]`` while K/V are per request: the queries are gathered per
-    request for the attention and the outputs packed again."""
-    packed = _PACKED.get()
-    if packed is not None:
-        query = query[0][:, packed.index].transpose(0, 1)  # [B, heads, n, D]
+def _dense_attention(query, key, value, mask, scaling):
+    """[B, heads, q, D] queries against [B, kv_heads, S, D]: SDPA over the K/V heads without
+    copying them per query head (the grouped queries folded into the query length);
+    ``mask``: additive [B, 1, q, S]. Returns [B, q, heads, D]."""
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     query = query.reshape(batch, kv_heads, groups * q_len, dim)
-    mask = attention_mask
     if groups > 1 and mask is not None:
         mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(
             mask.shape[0], 1, groups * q_len, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                            scale=scaling)
-    out = out.reshape(batch, heads, q_len, dim).transpose(1, 2)
-    if packed is not None:
-        out = out[packed.valid][None]  # [1, T, heads, D], request-major like the input
-    return out, None
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2)
+
+
+def _gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                   **kwargs):
+    """Grouped-query SDPA (:func:`_dense_attention`) for transformers' attention interface;
+    ``attention_mask`` is our additive [B, 1, q, S] mask.
+
+    In a packed forward (:func:`forward_block` with ``lengths``) the queries are one
+    sequence ``[1, heads, T, D]`` while K/V are per request: each request's queries are
+    gathered for the attention (see :class:`_Packed`) and the outputs packed again."""
+    packed = _PACKED.get()
+    if packed is None:
+        return _dense_attention(query, key, value, attention_mask, scaling), None
+    flat = query[0]  # [heads, T, D]
+    out = flat.new_empty(flat.shape[1], flat.shape[0], flat.shape[2])  # [T, heads, D]
+    index = packed.index[:, :packed.split]
+    valid = packed.valid[:, :packed.split]
+    first = _dense_attention(flat[:, index].transpose(0, 1), key, value,
+                             attention_mask[:, :, :packed.split], scaling)
+    out[index[valid]] = first[valid]
+    for b, start, rows, width in packed.long:  # a request's remaining rows, its keys only
+        rest = _dense_attention(
+            flat[None, :, start:start + rows], key[b:b + 1, :, :width],
+            value[b:b + 1, :, :width],
+            attention_mask[b:b + 1, :, packed.split:packed.split + rows, :width], scaling)
+        out[start:start + rows] = rest[0]
+    return out[None], None
 
 
 _REGISTERED = False
@@ -334,7 +367,12 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
         valid = torch.arange(n, device=device)[None, :] < lengths[:, None]
         starts = torch.cumsum(lengths, 0) - lengths
         index = torch.where(valid, starts[:, None] + torch.arange(n, device=device), 0)
-        packed = _Packed(index, valid)
+        counts, first_rows, committed_lens = (lengths.tolist(), starts.tolist(),
+                                              kv_lens.tolist())
+        split = _split_rows(counts)
+        packed = _Packed(index, valid, split, [
+            (b, first_rows[b] + split, count - split, committed_lens[b] + write_offset + count)
+            for b, count in enumerate(counts) if count > split])
         cache.write_rows = torch.arange(batch, device=device)[:, None].expand(batch, n)[valid]
         cache.write_index = cache.write_index[valid]
         tokens, position_ids = tokens[valid][None], position_ids[valid][None]
