@@ -195,13 +195,17 @@ class AdaptiveLength:
     MIN_GAIN = 0.01  # a draft position less likely than this to be reached and accepted
 
     def __init__(self, batch: int, max_len: int, *, decay: float = 0.95, probe_every: int = 4,
-                 probe_length: int = 8, row_exponent: float = 0.4,
-                 draft_cost_per_level: bool = True, prior: float = 0.5,
+                 probe_length: int = 4, row_exponent: float = 0.4,
+                 draft_cost_per_level: bool = True, prior: Optional[float] = None,
                  calibrate: bool = False):
         self.max_len, self.decay, self.probe_every = max_len, decay, probe_every
         self.probe_length = probe_length  # a probe drafts this many (when the drafter has
         # them): one that accepts teaches the rates of the later positions too
-        self.prior = prior  # acceptance at position 1 before anything was checked
+        # Acceptance at position 1 before anything was checked: 1/2 for one request, less
+        # for a batch (1/6 at 16), whose verify steps are compute-bound, so that a wasted
+        # row costs more: a large batch starts near plain decoding and drafts where its
+        # probes find agreement.
+        self.prior = 0.5 / (1 + math.log2(batch) / 2) if prior is None else prior
         self.calibrate = calibrate  # first a plain step: the cost every choice is relative to
         self.successes = [[0.0] * max_len for _ in range(batch)]  # [request][position]
         self.trials = [[0.0] * max_len for _ in range(batch)]
@@ -388,8 +392,11 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
         drafter = ModelDrafter(draft_model, [r.prompt for r in requests], capacity, device,
                                sampling, spec, seed=requests[0].seed)
     stats.draft_s += time.perf_counter() - t0  # the draft model's prefill
+    # A draft model pays a forward per draft level: its probes draft one token.
+    model_drafts = spec.drafter == "model"
     adaptive = (AdaptiveLength(batch, spec.max_draft_tokens, calibrate=True,
-                               draft_cost_per_level=spec.drafter == "model")
+                               draft_cost_per_level=model_drafts,
+                               probe_length=1 if model_drafts else 4)
                 if spec.adaptive else None)
     latency = [0.0] * batch
     kept = [None] * batch
