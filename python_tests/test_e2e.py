@@ -130,9 +130,12 @@ def test_adaptive_cost_fits_a_power_law_then_uses_measured_counts():
     assert adaptive.verify_seconds(2) == pytest.approx(0.04)
 
 
-def test_packed_forward_equals_the_padded_one(models):
+@pytest.mark.parametrize("lengths", [[5, 1, 3, 2], [1, 5, 1, 4]])
+def test_packed_forward_equals_the_padded_one(models, lengths):
     """Requests with different numbers of new positions in one packed forward: the same
-    logits and committed K/V as the padded forward."""
+    logits and committed K/V as the padded forward. Attention runs the first rows batched
+    and each longer request's rest alone: request 0's last 2 rows; requests 1 and 3 (not
+    first in the packed sequence) past row 1."""
     from specdec_kernels.e2e.model import (SlotCache, _split_rows, chain_visibility,
                                            forward_block)
     model, _, _ = models
@@ -142,8 +145,8 @@ def test_packed_forward_equals_the_padded_one(models):
     caches = [SlotCache(4, 80) for _ in range(2)]
     kv_lens = [E._prefill(model, c, prompts, "cpu") for c in caches]
     tokens = torch.randint(0, 1000, (4, 5), generator=generator)
-    lengths = torch.tensor([5, 1, 3, 2])  # attention: 3 rows batched, request 0's last 2 alone
-    assert _split_rows(lengths.tolist()) == 3
+    assert _split_rows(lengths) == {5: 3, 1: 1}[lengths[0]]
+    lengths = torch.tensor(lengths)
     visible, depth = chain_visibility(4, 5, "cpu")
     padded = forward_block(model, caches[0], tokens, kv_lens[0], visible, depth)
     packed = forward_block(model, caches[1], tokens, kv_lens[1], visible, depth,
@@ -154,6 +157,38 @@ def test_packed_forward_equals_the_padded_one(models):
         for b in range(4):
             end = int(kv_lens[0][b] + lengths[b])
             assert (old[b, :, :end] - new[b, :, :end]).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="lengths"):
+        forward_block(model, caches[1], tokens, kv_lens[1], visible, depth,
+                      lengths=torch.tensor([0, 1, 1, 1]))
+
+
+def test_adaptive_state_follows_its_request_when_others_leave():
+    adaptive = E.AdaptiveLength(3, 8)
+    for _ in range(10):
+        adaptive.observe(0, 4, 0)
+        adaptive.observe(2, 4, 4)
+    adaptive.gap[2], adaptive.probing[2] = 16, True
+    kept = [adaptive.rates(2), adaptive.trials[2]]
+    adaptive.select([2])                       # requests 0 and 1 finished
+    assert [adaptive.rates(0), adaptive.trials[0]] != kept  # the batch prior changed
+    assert adaptive.trials[0] == kept[1] and adaptive.successes[0][3] > 0
+    assert adaptive.gap == [16] and adaptive.probing == [True]
+
+
+def test_a_request_without_proposals_still_comes_to_its_probe():
+    """Steps where the n-gram has nothing to propose do not restart the wait for a probe."""
+    adaptive = E.AdaptiveLength(1, 8, row_exponent=0.5)
+    for _ in range(20):
+        adaptive.observe(0, 4, 0)
+    chosen = [adaptive.choose([8] if step % 2 else [0])[0] for step in range(8)]
+    assert chosen == [0] * 7 + [adaptive.probe_length]
+
+
+def test_adaptive_trees_are_rejected(models, requests):
+    model, draft, _ = models
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        generate(model, requests, Sampling(), Speculation("model", "adaptive", tree=(2, 1)),
+                 draft_model=draft)
 
 
 def test_verify_methods_include_token():
@@ -168,14 +203,18 @@ def test_greedy_speculation_equals_plain_decoding(models, requests):
     assert [len(t) for t in plain.tokens] == [r.max_new_tokens for r in requests] or any(
         t[-1] == eos for t in plain.tokens)
     specs = [Speculation("ngram", 3), Speculation("ngram", "adaptive", max_draft_tokens=4),
-             Speculation("model", 2), Speculation("model", 0, tree=(2, 1)),
+             Speculation("model", 2), Speculation("model", "adaptive", max_draft_tokens=3),
+             Speculation("model", 0, tree=(2, 1)),
              Speculation("model", 0, tree=(2, 1), children="without_replacement")]
     for spec in specs:
         for method in E.methods_for(spec):
             result = generate(model, requests, Sampling(), E.replace(spec, method=method),
                               draft_model=draft, eos_token_id=eos)
             assert result.tokens == plain.tokens, (spec, method)
-            assert result.stats.steps < plain.stats.steps, (spec, method)  # drafts landed
+            if spec.adaptive:  # it drafted (an adaptive run may then back off)
+                assert sum(result.stats.drafted_at) > 0, (spec, method)
+            else:  # drafts landed
+                assert result.stats.steps < plain.stats.steps, (spec, method)
 
 
 def test_committed_cache_equals_recomputation(models, requests):
@@ -236,3 +275,18 @@ def test_policy_replay_counts_what_the_record_accepts():
     assert max(v for k, v in ratios.items() if k != "plain_tokens_per_s") == ratios["oracle"]
     never = [{"prompt": [1, 2, 1, 2], "answer": [3, 4, 5, 6, 7, 8]}]
     assert replay(never, 1, 4, lambda rows: 1.0)["accepted"] == 0
+
+
+def test_small_row_linear_equals_f_linear_and_is_undone():
+    from specdec_kernels.e2e.model import use_small_row_linear
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False))
+    inputs = [torch.randn(rows, 64) for rows in range(1, 9)] + [torch.randn(2, 3, 64)]
+    with torch.no_grad():
+        stock = [model(x) for x in inputs]
+        use_small_row_linear(model)
+        assert all("forward" in m.__dict__ for m in model)
+        for x, expected in zip(inputs, stock):
+            assert torch.allclose(model(x), expected, atol=1e-5), x.shape
+        use_small_row_linear(model, enable=False)
+        assert not any("forward" in m.__dict__ for m in model)

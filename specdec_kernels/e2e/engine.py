@@ -122,19 +122,19 @@ def _takes_method(op) -> bool:
 
 
 def verify_methods(kind: str = "chain") -> tuple[str, ...]:
-    """The verification methods the installed ``verify_chain`` / ``verify_tree`` accept
+    """The verification methods the installed ``verify_chain_packed`` / ``verify_tree`` accept
     (``("token",)`` when the op has no ``method`` parameter), found by trying each candidate
     on a one-request problem."""
-    op = sk.verify_chain if kind == "chain" else sk.verify_tree
+    op = sk.verify_chain_packed if kind == "chain" else sk.verify_tree
     if not _takes_method(op):
         return (DEFAULT_METHOD,)
     logits = torch.zeros(1, 2, 4)
     found = []
     for method in METHOD_CANDIDATES:
         try:
-            if kind == "chain":
-                op(logits, torch.zeros(1, 1, dtype=torch.long), temperature=1.0, seed=0,
-                   method=method)
+            if kind == "chain":  # the packed op: what the loop calls for chains
+                op(logits[0], torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]),
+                   max_draft_tokens=1, temperature=1.0, seed=0, method=method)
             else:  # sampled children (traversal's condition: drafts drawn from q)
                 op(logits, torch.tensor([[-1, 0]]), torch.tensor([[-1, 0]]),
                    draft_probs=torch.full((1, 2, 4), 0.25), temperature=1.0, seed=0,
@@ -185,7 +185,8 @@ class AdaptiveLength:
     ``a_1 ... a_j`` over the batch), and the allocation with the most expected tokens per
     second along that sequence wins (none: plain decoding); positions less likely than
     ``MIN_GAIN`` to be reached and accepted are not considered. A request the choice leaves
-    at ``0`` drafts probes ``probe_length`` drafts after ``probe_every`` such steps; a probe
+    at ``0`` drafts probes ``probe_length`` drafts after ``probe_every`` such steps (on the
+    batch's every ``probe_every``-th step: the others stay plain); a probe
     that accepts nothing doubles that gap (up to ``8 * probe_every``: a drafter that never
     agrees costs ever less), one that accepts resets it. The defaults were chosen with
     ``bench.e2e_policy`` (replays on recorded greedy answers with measured costs)."""
@@ -210,6 +211,7 @@ class AdaptiveLength:
         self.successes = [[0.0] * max_len for _ in range(batch)]  # [request][position]
         self.trials = [[0.0] * max_len for _ in range(batch)]
         self.idle = [0] * batch
+        self.clock = 0  # choices made: probes fall on every probe_every-th
         self.gap = [probe_every] * batch
         self.probing = [False] * batch
         self.row_exponent = row_exponent  # before two row counts are measured
@@ -289,12 +291,19 @@ class AdaptiveLength:
                 heapq.heapreplace(gains, (-gain * rates[b][lengths[b]], b))
             else:
                 heapq.heappop(gains)
-        for b in range(batch):  # probes: a request left at 0 drafts tries one now and then
-            if best_lengths[b] or not caps[b]:
+        # Probes: a request left at 0 drafts tries some now and then, on every probe_every-th
+        # step only, so that the batch's other steps stay plain (no packed forward, no
+        # verification: cheaper than their rows say).
+        self.clock += 1
+        probe_step = self.clock % self.probe_every == 0
+        for b in range(batch):
+            if best_lengths[b]:
                 self.idle[b] = 0
                 continue
+            if not caps[b]:  # nothing to probe with: the wait goes on
+                continue
             self.idle[b] += 1
-            if self.idle[b] >= self.gap[b]:
+            if self.idle[b] >= self.gap[b] and probe_step:
                 self.idle[b] = 0
                 self.probing[b] = True
                 best_lengths[b] = min(self.probe_length, caps[b])
@@ -369,6 +378,9 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
     spec = speculation
     if spec.drafter not in ("none", "ngram", "model"):
         raise ValueError(f"drafter: expected 'none', 'ngram' or 'model', got {spec.drafter!r}")
+    if spec.adaptive and spec.tree:
+        raise ValueError(f"num_draft_tokens: 'adaptive' is for chains; a tree's shape is "
+                         f"fixed (tree={spec.tree})")
     batch = len(requests)
     max_nodes = _max_nodes(spec)
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + max_nodes + 2

@@ -108,11 +108,15 @@ def _small_row_linear(self, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def use_small_row_linear(model) -> None:
-    """Route every plain ``nn.Linear`` of ``model`` through :func:`_small_row_linear` (in place)."""
+def use_small_row_linear(model, enable: bool = True) -> None:
+    """Route every plain ``nn.Linear`` of ``model`` through :func:`_small_row_linear` (in
+    place); ``enable=False`` gives them back the stock ``forward``."""
     for module in model.modules():
         if type(module) is torch.nn.Linear:  # not subclasses (quantised, LoRA): own forward
-            module.forward = types.MethodType(_small_row_linear, module)
+            if enable:
+                module.forward = types.MethodType(_small_row_linear, module)
+            else:
+                module.__dict__.pop("forward", None)
 
 
 def _decoder_layers(model) -> tuple[torch.nn.Module, str]:
@@ -340,6 +344,10 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
     """
     batch, n = tokens.shape
     device = tokens.device
+    if lengths is not None and (rows is not None or not 1 <= int(lengths.min())
+                                or int(lengths.max()) > n):
+        raise ValueError(f"lengths: expected 1..{n} per request and no rows, got "
+                         f"{lengths.tolist()} (rows {'given' if rows is not None else 'None'})")
     if lengths is not None and batch == 1:  # one request: its first lengths[0] positions
         used = int(lengths[0])
         return forward_block(model, cache, tokens[:, :used], kv_lens,
