@@ -44,3 +44,62 @@ def check_counter(counter: Optional[torch.Tensor], name: str, batch: int,
         return
     _params.check_tensor(counter, name, dtypes=_params.INDEX_DTYPES, device=device)
     _params.check_shape(counter, name, [batch], "one per request")
+
+
+# --- added for the FlashInfer and SGLang adapters (issue 24) ---------------------------------
+
+# Row stride of a batch-wide seed: request b of a batch keyed by one seed s gets the Philox
+# seed s + b * ROW_SEED_STRIDE (mod 2**64). The stride is 2**64 / golden ratio (odd): for
+# |b - b'| < 2**20 the seeds of rows b and b' differ by at least 2**43 (checked by
+# exhaustion in python_tests/test_adapter_flashinfer.py), so two calls whose seeds differ by
+# less than 2**43 (a step counter, FlashInfer's "update the seed every call") never share a
+# stream, and rows of one call never do. ``seed + b`` had (s+1, b) == (s, b+1).
+ROW_SEED_STRIDE = 0x9E3779B97F4A7C15 - 2**64  # as int64
+ROW_SEED_MIN_GAP_LOG2 = 43
+ROW_SEED_MAX_ROWS_LOG2 = 20
+
+
+def row_seeds(seed, batch: int, device: torch.device) -> torch.Tensor:
+    """``[batch]`` int64 seeds for a batch keyed by one seed (a Python int or a ``[1]`` int64
+    tensor): ``seed + b * ROW_SEED_STRIDE`` wrapped to int64, without a synchronisation."""
+    rows = torch.arange(batch, dtype=torch.int64, device=device) * ROW_SEED_STRIDE
+    if isinstance(seed, torch.Tensor):
+        return rows + seed.reshape(-1)[:1].to(torch.int64)
+    return rows + seed
+
+
+def value_checks_wanted(validate: Optional[bool], device: torch.device) -> bool:
+    """``validate=None`` (the adapters' default): run the checks that read tensor values only
+    where they cost no device synchronisation and break no graph -- eager calls on CPU
+    tensors. On CUDA (and under ``torch.compile``) they are skipped, as the engines' own
+    kernels skip them; ``True``/``False`` force either way."""
+    if validate is not None:
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate: expected a bool or None, got {type(validate).__name__}")
+        return validate
+    if torch.compiler.is_compiling():
+        return False
+    return device.type == "cpu"
+
+
+def restoring_generator(generator: Optional[torch.Generator]):
+    """A context manager that puts ``generator`` back as it was when the body raises (a
+    rejected call advances no generator)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        state = None if generator is None else generator.get_state()
+        try:
+            yield
+        except BaseException:
+            if state is not None:
+                generator.set_state(state)
+            raise
+    return guard()
+
+
+def capturing_cuda_graph(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``device``."""
+    return (device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing())

@@ -1,31 +1,60 @@
 """FlashInfer's ``flashinfer.sampling.chain_speculative_sampling``, computed by our exact chain.
 
-Follows ``flashinfer/sampling.py`` and ``include/flashinfer/sampling.cuh`` of
-flashinfer-ai/flashinfer as read at commits ba1f2066 (Python API) and 5c8b5361 (kernel): the
-same positional arguments, shapes, return tuple and in-place counter semantics. Swap
+Follows flashinfer-python 0.7.4 (the newest release on the package index):
+``flashinfer/sampling.py`` (``chain_speculative_sampling``, ``get_seed_and_offset``,
+``_validate_and_convert_seed_offset``) and ``include/flashinfer/sampling.cuh``
+(``ChainSpeculativeSampling``). The same positional arguments, defaults, shapes, return
+tuple, in-place counters and seed/offset rules. Swap
 
     from flashinfer.sampling import chain_speculative_sampling
     from specdec_kernels.adapters.flashinfer import chain_speculative_sampling
 
-What differs (each also in the docstring):
-* Randomness: our Philox stream keyed per request. ``seed`` may be a ``[B]`` int64 tensor (one
-  seed per request, honoured: the tokens of a request depend on its own seed and offset, never
-  on its row). FlashInfer takes one ``int`` for the batch and keys row ``b`` by its position;
-  an int here does the same (request ``b`` uses seed ``seed + b``), so rows stay independent.
-  ``generator`` (when ``seed`` is None) gives one fresh seed per request per call.
-* ``deterministic`` is accepted for compatibility; ours is always deterministic (no atomics:
-  the same inputs and seeds give the same tokens on every run, backend and device).
+As FlashInfer 0.7.4 does:
+* ``seed``/``offset``: when either is None, both are drawn from ``generator`` (None: the
+  device's default generator) -- on a CUDA (Philox) generator exactly as FlashInfer's
+  ``get_seed_and_offset``: its seed and current offset, the offset then advanced by
+  ``B * (K + 2)`` rounded up to 4; on a CPU generator (FlashInfer has no CPU path) two
+  int64 words drawn from it. Otherwise each is a Python int or a 1-D int64/uint64 tensor
+  on the probabilities' device of length 1 or ``B`` (FlashInfer wants both of one kind; an
+  int with a tensor broadcasts here). Seeds are never drawn by a call that is then rejected (the generator
+  is put back), and ``seed=None`` while capturing a CUDA graph is a ValueError (FlashInfer
+  would bake one seed into the graph).
+* Streams: FlashInfer keys row ``b`` by ``(seed, subsequence b, offset)``. Here a batch-wide
+  seed (an int or a ``[1]`` tensor) keys row ``b`` by ``seed + b * 0x9E3779B97F4A7C15``
+  (mod 2**64) with the offset unchanged: rows of one call never share a stream, and two
+  calls never do unless their offsets are equal and their seeds differ by a multiple of the
+  stride -- at least 2**43 apart for batches below 2**20 rows (a step counter as seed, or
+  a new offset per call, never collides).
+* ``maybe_output_accepted_token_num`` (FlashInfer's alignment metric): the emitted drafts
+  plus the later drafts, after the first rejected one, that pass ``u * q(x) < p(x)`` with
+  their own acceptance uniform -- the rejected position itself not counted again.
+  ``maybe_output_emitted_draft_token_num``: the emitted drafts (correction/bonus excluded).
+  Both are added to in place and returned as the same tensors; new int32 zeros when None.
+* A row with no mass: a target row of zeros rejects its draft (``p(x) = 0``) and emits
+  ``-1`` as its token (FlashInfer's sampler finds no positive entry and writes its
+  ``last_valid_id``, ``-1``); ``emitted_num`` counts the drafts before it.
+
+Differences, each where ours is exact and FlashInfer's is not (also in docs/engines.md):
+* Per-request seeds (our extension): a ``[B]`` seed tensor is request ``b``'s own Philox
+  seed, so a request's tokens depend on its seed and offset, never on its row (FlashInfer
+  still mixes the row into a ``[B]`` seed's stream).
+* The residual: FlashInfer samples ``max(target - draft, 0)`` of the raw inputs and, when
+  that has no mass (rounding when ``p == q``, or rows that do not sum to 1), emits ``-1``;
+  we sample ``norm(max(p - q, 0))`` with ``p = target_probs / sum(target_probs)`` and fall
+  back to ``p`` when the residual has no mass (contract section 3) -- the target's law.
+* Uniforms: ours are Philox words in ``[0, 1)`` with exact tails (contract section 11);
+  FlashInfer's ``curand_uniform`` is 24-bit in ``(0, 1]`` (so it rejects ``p == q`` with
+  probability 2**-24). Tokens for a given seed differ; laws agree.
+* Validation: bad shapes, dtypes and devices are ValueError/TypeError naming the argument;
+  token ids outside ``[0, V)`` too where reading them costs no synchronisation
+  (``validate=None``: CPU tensors, eager; FlashInfer reads out of bounds).
+* int64 counters are updated in place (FlashInfer's ``.int()`` copy drops their update).
+* ``deterministic`` is accepted; ours is always deterministic.
 * Probabilities in: ``log(target_probs)`` is fed to the kernels as logits with temperature 1
   (a zero probability becomes ``-inf``, never sampled): one elementwise pass that writes a
   float32 ``[B, K+1, V]`` copy, and one reduction over ``target_probs`` for the accepted
   count. ``draft_probs`` are read as they are. With logits at hand, ``verify_chain`` on them
   costs neither.
-* FlashInfer resamples from ``max(target - draft, 0)`` of the raw inputs; we from
-  ``norm(max(p - q, 0))`` with ``p = target_probs / sum(target_probs)`` -- the same law
-  when rows sum to 1, and exact when they do not.
-* Counters: int32 or int64 tensors are both updated in place (FlashInfer converts with
-  ``.int()``, so an int64 counter silently keeps its old value there).
-* FlashInfer's annotation says ``-> torch.Tensor``; both return the 3-tuple.
 """
 from __future__ import annotations
 
@@ -35,9 +64,12 @@ import torch
 
 from .. import _params, _rng
 from ..chain import verify_chain
-from ._common import check_counter, logits_from_probs, seeds_from_generator
+from ._common import (capturing_cuda_graph, check_counter, logits_from_probs,
+                      restoring_generator, row_seeds, value_checks_wanted)
 
 __all__ = ["chain_speculative_sampling"]
+
+ENGINE_VERSION = "flashinfer-python 0.7.4"
 
 
 def chain_speculative_sampling(
@@ -46,8 +78,8 @@ def chain_speculative_sampling(
         maybe_output_emitted_draft_token_num: Optional[torch.Tensor] = None,
         deterministic: bool = True, generator: Optional[torch.Generator] = None,
         seed=None, offset=None, *, backend: str = "auto",
-        validate: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""Chain speculative sampling in FlashInfer's call shape, exact, per-request seeds.
+        validate: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Chain speculative sampling in FlashInfer 0.7.4's call shape, exact.
 
     Parameters
     ----------
@@ -62,9 +94,9 @@ def chain_speculative_sampling(
         logits ``log(target_probs)`` with temperature 1 (cost: one pass writing a float32
         copy of this shape).
     maybe_output_accepted_token_num: Optional[torch.Tensor]
-        If given, the number of drafts that pass their acceptance test *independently* of
-        the earlier ones (FlashInfer's alignment metric: the chain stops at the first
-        rejection, this count does not) is added to it in place.
+        If given, FlashInfer's alignment metric is added to it in place: the emitted drafts
+        plus the drafts after the first rejected one that pass their own acceptance test
+        (the chain stops at the first rejection; this count does not).
         Shape: ``(batch_size,)``; int32 or int64.
     maybe_output_emitted_draft_token_num: Optional[torch.Tensor]
         If given, the number of emitted drafts (the bonus/correction token excluded) is
@@ -72,17 +104,20 @@ def chain_speculative_sampling(
     deterministic: bool
         Accepted for compatibility: ours is always deterministic.
     generator: Optional[torch.Generator]
-        When ``seed`` is None, one seed per request is drawn from it (None: torch's default
-        generator).
-    seed: int or torch.Tensor
-        ``(batch_size,)`` int64 tensor: request ``b``'s own Philox seed (a permuted batch
-        gives permuted outputs). Python int: the batch's seed, request ``b`` keyed by
-        ``seed + b`` (FlashInfer's convention: rows are independent streams).
-    offset: int or torch.Tensor
-        Per-request (``(batch_size,)`` int64) or shared step counter; default 0. Use a new
-        offset (or seed) every step.
-    backend, validate:
+        When ``seed`` or ``offset`` is None, both are drawn from it (None: the device's
+        default generator), as FlashInfer does.
+    seed: Optional[Union[int, torch.Tensor]]
+        With ``offset``: a Python int, or a 1-D int64/uint64 tensor of length 1 (the batch's
+        seed; row ``b`` keyed by ``seed + b * 0x9E3779B97F4A7C15``) or ``batch_size``
+        (request ``b``'s own seed, honoured whatever its row: our extension).
+    offset: Optional[Union[int, torch.Tensor]]
+        With ``seed``: a Python int or a 1-D int64/uint64 tensor of length 1 or
+        ``batch_size`` (a step counter). Use a new offset (or seed) every step.
+    backend:
         As in :func:`specdec_kernels.verify_chain`.
+    validate: Optional[bool]
+        None (default): value checks (token ids in range) only on CPU tensors, eager,
+        where they cost no synchronisation; True/False force them on or off.
 
     Returns
     -------
@@ -94,17 +129,18 @@ def chain_speculative_sampling(
     output_emitted_draft_token_num: torch.Tensor
         The counter given (updated in place) or a new int32 one. Shape: ``(batch_size,)``.
 
-    FlashInfer's documented example (its draft 1 has ratio p/q = 2, always accepted; draft 2
+    FlashInfer's documented example (draft 1 has ratio p/q = 2, always accepted; draft 2
     has p = 0, always rejected, and the residual is one-hot at token 0):
 
     >>> import torch
     >>> from specdec_kernels.adapters.flashinfer import chain_speculative_sampling
+    >>> _ = torch.manual_seed(42)
     >>> draft_probs = torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.2, 0.3, 0.4, 0.1]]])
     >>> draft_token_ids = torch.tensor([[2, 1]], dtype=torch.int32)
     >>> target_probs = torch.tensor([[[0.0, 0.1, 0.6, 0.3], [1.0, 0.0, 0.0, 0.0],
     ...                               [0.7, 0.1, 0.1, 0.1]]])
     >>> output_token_ids, output_accepted_token_num, output_emitted_draft_token_num = \
-    ...     chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, seed=42)
+    ...     chain_speculative_sampling(draft_probs, draft_token_ids, target_probs)
     >>> output_token_ids
     tensor([[ 2,  0, -1]], dtype=torch.int32)
     >>> output_accepted_token_num, output_emitted_draft_token_num
@@ -121,11 +157,28 @@ def chain_speculative_sampling(
     check_counter(maybe_output_accepted_token_num, "maybe_output_accepted_token_num", batch, device)
     check_counter(maybe_output_emitted_draft_token_num, "maybe_output_emitted_draft_token_num",
                   batch, device)
-    seeds = _request_seeds(seed, generator, batch, device)
-    target_logits = logits_from_probs(target_probs, "target_probs")
-    out = verify_chain(target_logits, draft_token_ids, draft_probs=draft_probs, temperature=1.0,
-                       seed=seeds, offset=offset, backend=backend, validate=validate)
-    # The [B] seeds the op used (drawn once, inside it) and offsets, for the count below.
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, "
+                        f"got {type(generator).__name__}")
+    values = value_checks_wanted(validate, device)
+    drawing = seed is None or offset is None
+    source = None
+    if drawing:
+        if capturing_cuda_graph(device):
+            raise ValueError("seed: expected seed and offset tensors while capturing a CUDA "
+                             "graph (drawn from the generator, they would be baked into it)")
+        source = _default_generator(device) if generator is None else generator
+    else:
+        seed, offset = _checked_seed_and_offset(seed, offset, batch, device)
+    with restoring_generator(source):
+        if drawing:
+            seed, offset = _seed_and_offset_from_generator(source, batch, num_drafts)
+        seeds = seed if isinstance(seed, torch.Tensor) and seed.numel() == batch != 1 \
+            else row_seeds(seed, batch, device)
+        target_logits = logits_from_probs(target_probs, "target_probs")
+        out = verify_chain(target_logits, draft_token_ids, draft_probs=draft_probs,
+                           temperature=1.0, seed=seeds, offset=offset, backend=backend,
+                           validate=values)
     seeds, offsets = _params.seeds_and_offsets(seeds, offset, batch=batch, device=device)
 
     independent = _independently_accepted(target_probs, draft_probs, draft_token_ids,
@@ -141,33 +194,68 @@ def chain_speculative_sampling(
     return out.output_token_ids, accepted_num, emitted_num
 
 
-def _request_seeds(seed, generator, batch: int, device: torch.device):
-    """The ``seed`` verify_chain takes: a tensor seed per request, an int seed FlashInfer's
-    way (``seed + b``), None from ``generator`` or torch's default generator -- drawn by the op
-    once it has checked its arguments (``DeferredSeeds``): a rejected call advances no
-    generator."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator: expected a torch.Generator or None, "
-                        f"got {type(generator).__name__}")
-    if seed is None:
-        source = torch.default_generator if generator is None else generator
-        seed = _params.DeferredSeeds(lambda: seeds_from_generator(source, batch, device))
-    elif not isinstance(seed, (torch.Tensor, bool)):
-        seed = _params._as_int64(seed, "seed")
-        if isinstance(seed, int):  # wraps like the int64 the kernels read
-            seed = torch.arange(batch, dtype=torch.int64, device=device) + seed
-    return seed
+def _default_generator(device: torch.device) -> torch.Generator:
+    """FlashInfer's ``get_default_generators(device)``: the CUDA device's default generator,
+    torch's CPU one for CPU tensors."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
+def _seed_and_offset_from_generator(generator: torch.Generator, batch: int, num_drafts: int):
+    """FlashInfer's ``get_seed_and_offset(B * (K + 2), generator)`` on a Philox (CUDA)
+    generator: its seed and offset, the offset advanced past this call's range (rounded up
+    to 4). A CPU (Mersenne Twister) generator has no offset: two int64 words drawn from it."""
+    state = generator.get_state()
+    if state.numel() == 16:
+        seed, offset = map(int, state.view(torch.int64))
+        increment = batch * (num_drafts + 2)
+        generator.set_state(torch.tensor([seed, offset + (increment + 3) // 4 * 4],
+                                         dtype=torch.int64).view(torch.uint8))
+        return seed, offset
+    words = torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, generator=generator)
+    seed, offset = words.tolist()  # a CPU generator's tensor: no device synchronisation
+    return seed, offset
+
+
+def _checked_seed_and_offset(seed, offset, batch: int, device: torch.device):
+    """FlashInfer's ``_validate_and_convert_seed_offset``: tensors 1-D int64/uint64 on
+    ``device`` of length 1 or ``batch`` (uint64 read as the same 64 bits), or Python ints.
+    FlashInfer refuses a tensor with an int; we take it (the int broadcasts: an extension no
+    FlashInfer call meets). Returns int64 tensors (offset 0-D or ``[batch]``) or ints."""
+    checked = []
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not isinstance(value, torch.Tensor):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected a Python int or a tensor, "
+                                f"got {type(value).__name__}")
+            checked.append(_params._as_int64(value, name))
+            continue
+        if value.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device}, got one on {value.device}")
+        if value.dtype not in (torch.int64, torch.uint64):
+            raise ValueError(f"{name}: expected an int64/uint64 tensor, got dtype "
+                             f"{str(value.dtype).replace('torch.', '')}")
+        if value.dim() != 1 or value.shape[0] not in (1, batch):
+            raise ValueError(f"{name}: expected a 1-D tensor of length 1 or {batch}, got "
+                             f"shape {list(value.shape)}")
+        checked.append(value.view(torch.int64) if value.dtype == torch.uint64 else value)
+    seed, offset = checked
+    if isinstance(offset, torch.Tensor) and offset.shape[0] == 1:
+        offset = offset.reshape(())
+    return seed, offset
 
 
 def _independently_accepted(target_probs: torch.Tensor, draft_probs: torch.Tensor,
                             draft_token_ids: torch.Tensor, num_accepted: torch.Tensor,
                             seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's ``output_accepted_token_num``: the emitted drafts plus the later drafts
-    that pass ``u_j * q_j(d_j) < p_j(d_j)`` with their own acceptance uniform (section 2's
-    stream; the chain itself stops at the first rejection). Reads one ``[B, K]`` gather and
-    the row sums of ``target_probs`` (``p = target_probs / sum``, as the kernels see it)."""
+    """FlashInfer's ``output_accepted_token_num``: the emitted drafts plus the drafts after
+    the first rejected one that pass ``u_j * q_j(d_j) < p_j(d_j)`` with their own acceptance
+    uniform (section 2's stream). Reads one ``[B, K]`` gather and the row sums of
+    ``target_probs`` (``p = target_probs / sum``, as the kernels see it)."""
     batch, num_drafts, vocab = draft_probs.shape
-    if num_drafts == 0:
+    if num_drafts == 0 or batch == 0:
         return num_accepted
     ids = draft_token_ids.to(torch.int64)
     in_range = (ids >= 0) & (ids < vocab)
