@@ -13,7 +13,7 @@ export CUDA_HOME
 CSRC        := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 JOBS        ?= 2
 
-.PHONY: demo test setup build ctest pytest bench e2e clean
+.PHONY: demo test setup build ctest pytest bench e2e clean engine-tests engine-tests-flashinfer engine-tests-sglang
 
 demo: build
 	$(PY) -m specdec_kernels.demo
@@ -63,6 +63,19 @@ bench: build
 # transformers' own (<= ~16 min on 2 idle CPU threads); writes bench/results/<device>-<date>/e2e.*
 e2e: build
 	$(PY) -m bench.e2e
+
+# The engines' own unit tests of the kernels the adapters replace, fetched at run time from
+# the package index (never committed) and run unmodified against the adapters through a
+# conftest shim (docs/engines.md). Venvs and downloads under build/engine-tests/<engine>;
+# FLASHINFER_TESTS / SGL_KERNEL_TESTS point at a source checkout's tests where the released
+# artifacts ship none.
+engine-tests: engine-tests-flashinfer engine-tests-sglang
+
+engine-tests-flashinfer: build
+	$(PY) engine_tests/flashinfer/run.py
+
+engine-tests-sglang: build
+	$(PY) engine_tests/sglang/run.py
 
 clean:
 	rm -rf build specdec_kernels/*.so *.egg-info
