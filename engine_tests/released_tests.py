@@ -3,8 +3,9 @@
 Used by ``engine_tests/flashinfer/run.py`` and ``engine_tests/sglang/run.py`` (``make
 engine-tests-flashinfer`` / ``engine-tests-sglang``). Nothing third-party is committed:
 
-1. a venv under ``build/engine-tests/<engine>`` (``--system-site-packages``: torch, pytest and
-   this checkout come from the project's venv; nothing is installed into it);
+1. a venv under ``build/engine-tests/<engine>`` that sees the project's venv (a ``.pth`` file
+   naming its site-packages: torch, pytest and this checkout come from there; nothing is
+   installed into either);
 2. the engine's released artifacts are downloaded from the package index with pip (wheels:
    an sdist is fetched only where pip can do so without building it) and searched for test
    files that call the kernel; ``<ENGINE>_TESTS=/path/to/tests`` (a source checkout's test
@@ -27,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 
@@ -43,9 +45,14 @@ def make_venv(engine: str) -> pathlib.Path:
     python = home / "venv" / "bin" / "python"
     if not python.exists():
         home.mkdir(parents=True, exist_ok=True)
-        result = _run([sys.executable, "-m", "venv", "--system-site-packages", home / "venv"])
+        result = _run([sys.executable, "-m", "venv", home / "venv"])
         if result.returncode:
             sys.exit(f"could not create the venv: {result.stderr}")
+        # The project's venv's packages, seen from this one (a venv made from a venv with
+        # --system-site-packages would see the base interpreter's instead).
+        site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+        parent = [p for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}]
+        pathlib.Path(site.stdout.strip(), "project_venv.pth").write_text("\n".join(parent) + "\n")
     return home
 
 
