@@ -80,6 +80,8 @@ def _sglang_emitted(parents, candidates, *coins, **kwargs) -> list:
 @pytest.mark.parametrize("backend", TREE_BACKENDS)
 @pytest.mark.parametrize("inputs", ["probs", "logits", "sampling_info"])
 def test_documented_example(backend, inputs):
+    if inputs == "sampling_info" and backend != "reference":
+        pytest.skip("the [bs, 1] parameters are reshaped before any backend: reference only")
     tree, target_logits = _sglang_example()
     for seed in (0, torch.tensor([5, 6])):
         predicts, accept_index, accept_token_num = outputs = _sglang_outputs(2, 6, 4)
