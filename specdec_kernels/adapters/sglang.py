@@ -73,7 +73,8 @@ from .. import _params
 from ..tree import verify_tree
 from ..tree_attention import _validate as _validate_parents
 from ..tree_attention import build_tree_attention
-from ._common import logits_from_probs, restoring_generator, value_checks_wanted
+from ._common import (capturing_cuda_graph, logits_from_probs, restoring_generator,
+                      value_checks_wanted)
 
 __all__ = ["EagleTree", "ParentTree", "UnsupportedModeError", "tree_from_sglang",
            "tree_to_sglang", "tree_speculative_sampling_target_only", "verify_tree_greedy"]
@@ -401,6 +402,9 @@ def tree_speculative_sampling_target_only(
     # generator back.
     drawn = None
     if seed is None:
+        if capturing_cuda_graph(device):
+            raise ValueError("seed: expected seed and offset tensors (or SGLang's coins) while "
+                             "capturing a CUDA graph (drawn seeds would be baked into it)")
         drawn = _params.DeferredSeeds(lambda: torch.randint(
             -2**63, 2**63 - 1, (batch,), dtype=torch.int64).to(device))
     with restoring_generator(torch.default_generator if seed is None else None):
