@@ -8,7 +8,8 @@ gives every output's shape and dtype from the input shapes alone, so ``torch.com
 traces a call without a graph break and ``torch.library.opcheck`` passes; ops that write in
 place declare it (``mutates_args``).
 
-Ops defined here (Python implementations, ``torch.library.custom_op``):
+Ops defined here (Python implementations; schemas inferred from their annotations, as
+``torch.library.custom_op`` infers them):
 
 ========================================  =====================================================
 ``specdec::reference_processed_probs``    ``processed_probs`` (always the reference)
@@ -33,7 +34,7 @@ Ops of the compiled extension (schemas in ``csrc/torch``), given their fakes her
 ``compact_kv_cache``, ``compact_paged_kv_cache`` (CPU and CUDA kernels; the last two mutate
 ``caches``).
 
-The Triton entries are ``custom_op``, not ``triton_op``: a ``triton_op`` body is traced by
+The Triton entries are opaque ops, not ``torch.library.triton_op``: a ``triton_op`` body is traced by
 Inductor, and ours keeps host-side state across calls (one-element scratch tensors kept for
 the life of the process so a captured graph may hold them, per-device SM counts) and launches
 kernels from five modules, each of which would have to go through ``wrap_triton``. As opaque
@@ -63,13 +64,25 @@ IMPLEMENTATIONS: dict[str, Callable] = {}
 _EMPTY_LOGPROBS_SHAPE = (0,)
 
 
+# One library fragment holds every Python op (the C++ ops' TORCH_LIBRARY(specdec) is the
+# namespace's definition; _C is loaded first).
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
 def _define(name: str, mutates_args=(), tags=()):
-    """``torch.library.custom_op("specdec::<name>")`` of the decorated implementation."""
+    """Defines ``specdec::<name>`` with the schema inferred from the decorated
+    implementation's annotations (as ``torch.library.custom_op`` infers it) and registers the
+    implementation for every device (``CompositeExplicitAutograd``). A plain ``Library``
+    registration, not ``custom_op``: the latter's dispatch wrappers (autograd, device-type
+    routing) cost more per eager call than the op itself at B = 1 (docs/graphs.md); none of
+    these ops has a gradient. Returns the implementation (call the op through
+    ``torch.ops.specdec``)."""
     def register(fn):
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=mutates_args,
-                                     tags=tags)
+        schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+        _LIBRARY.define(name + schema, tags=tuple(tags))
+        _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
         IMPLEMENTATIONS[name] = fn
-        return op
+        return fn
     return register
 
 
@@ -85,9 +98,24 @@ def _fake(name: str, signature_of: Optional[Callable] = None):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             return shapes(**bound.arguments)
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
         return shapes
     return register
+
+
+def call(name: str, *args):
+    """``torch.ops.specdec.<name>(*args)``: how the public functions run an op of this module.
+
+    In plain eager mode (nothing compiling, no dispatch or function mode, no functorch
+    transform) it calls the op's implementation directly: the same code the op would run,
+    without the dispatcher's boxing of 10-20 arguments, which costs more than a B = 1 launch
+    (docs/graphs.md). Whoever can look at ops (``torch.compile``, ``FakeTensorMode``,
+    ``make_fx``, ``forbid_host_sync``, any ``TorchDispatchMode``) gets the registered op."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
+        return getattr(torch.ops.specdec, name).default(*args)
+    return IMPLEMENTATIONS[name](*args)
 
 
 def params_args(params: "_params.SamplingParams") -> tuple:

@@ -19,6 +19,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from . import _ops  # draw_seeds (_ops imports this module too: used in functions only)
+
 Scalar = Union[int, float, bool]
 PerRequest = Union[Scalar, torch.Tensor, None]
 
@@ -354,7 +356,7 @@ def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
     if isinstance(seed, DeferredSeeds):
         seed = seed()
     if seed is None:
-        seed = torch.ops.specdec.draw_seeds(o)  # registered by _ops
+        seed = _ops.call("draw_seeds", o)
     s = per_request(_as_int64(seed, "seed"), "seed", batch, device, torch.int64, 0)
     return s, o
 

@@ -216,9 +216,9 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
             target_logits, draft_token_ids, draft_probs, draft_logits, layout.num_draft_tokens,
             params, seeds, offsets, token_bitmask, layout, method, return_logprobs))
     # Triton reads the packed rows in place; the reference's definition is the padded layout.
-    op = torch.ops.specdec.triton_verify_chain_packed if use_triton else \
-        torch.ops.specdec.reference_verify_chain_packed
-    out, accepted, *logprobs = op(
+    op = "triton_verify_chain_packed" if use_triton else "reference_verify_chain_packed"
+    out, accepted, *logprobs = _ops.call(
+        op,
         target_logits, draft_token_ids, cu_num_draft_tokens, max_draft_tokens, draft_probs,
         draft_logits, *_ops.params_args(params), seeds, offsets, token_bitmask, method,
         return_logprobs)
@@ -276,9 +276,9 @@ def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_lo
         return ChainVerifyOutput(*_cpu.verify_chain(
             target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens, params,
             seeds, offsets, token_bitmask, None, method, return_logprobs))
-    op = torch.ops.specdec.triton_verify_chain if use_triton else \
-        torch.ops.specdec.reference_verify_chain
-    out, accepted, *logprobs = op(
+    op = "triton_verify_chain" if use_triton else "reference_verify_chain"
+    out, accepted, *logprobs = _ops.call(
+        op,
         target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
         *_ops.params_args(params), seeds, offsets, token_bitmask, method, return_logprobs)
     return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))

@@ -288,8 +288,8 @@ def compact_kv_cache(caches: Caches, kv_lens: torch.Tensor, accepted_nodes: torc
     if _backend.use_extension("compact_kv_cache", backend, device):
         return torch.ops.specdec.compact_kv_cache(caches, kv_lens, accepted_nodes, num_accepted,
                                                   layout)
-    return torch.ops.specdec.reference_compact_kv_cache(caches, kv_lens, accepted_nodes,
-                                                        num_accepted, layout)
+    return _ops.call("reference_compact_kv_cache", caches, kv_lens, accepted_nodes,
+                     num_accepted, layout)
 
 
 def compact_paged_kv_cache(caches: Caches, block_tables: torch.Tensor, kv_lens: torch.Tensor,
@@ -353,5 +353,5 @@ def compact_paged_kv_cache(caches: Caches, block_tables: torch.Tensor, kv_lens: 
     if _backend.use_extension("compact_paged_kv_cache", backend, device):
         return torch.ops.specdec.compact_paged_kv_cache(caches, block_tables, kv_lens,
                                                         accepted_nodes, num_accepted)
-    return torch.ops.specdec.reference_compact_paged_kv_cache(caches, block_tables, kv_lens,
-                                                              accepted_nodes, num_accepted)
+    return _ops.call("reference_compact_paged_kv_cache", caches, block_tables, kv_lens,
+                     accepted_nodes, num_accepted)

@@ -70,8 +70,8 @@ def processed_probs(logits: torch.Tensor, temperature: PerRequest = None, top_k:
     params = _params.sampling_params(temperature, top_k, top_p, batch=rows.shape[0],
                                      vocab_size=rows.shape[-1], device=rows.device,
                                      validate=validate, min_p=min_p)
-    probs = torch.ops.specdec.reference_processed_probs(rows, *_ops.params_args(params),
-                                                        token_bitmask)
+    probs = _ops.call("reference_processed_probs", rows, *_ops.params_args(params),
+                      token_bitmask)
     return probs[0] if squeeze else probs
 
 
@@ -132,7 +132,7 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
     if _cpu.selected(backend, logits.device) and not use_triton and _cpu.runs_sample(logits):
         result = _cpu.sample(logits, params, seeds, offsets, token_bitmask, return_logprobs)
         return result if return_logprobs is None else SampleOutput(*result)
-    op = torch.ops.specdec.triton_sample if use_triton else torch.ops.specdec.reference_sample
-    tokens, *logprobs = op(logits, *_ops.params_args(params), seeds, offsets, token_bitmask,
-                           return_logprobs)
+    op = "triton_sample" if use_triton else "reference_sample"
+    tokens, *logprobs = _ops.call(op, logits, *_ops.params_args(params), seeds, offsets,
+                                  token_bitmask, return_logprobs)
     return tokens if return_logprobs is None else SampleOutput(tokens, logprobs[0])

@@ -144,9 +144,9 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
         return TreeVerifyOutput(*_cpu.verify_tree(
             target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
             params, seeds, offsets, token_bitmask, return_logprobs, method))
-    op = torch.ops.specdec.triton_verify_tree if use_triton else \
-        torch.ops.specdec.reference_verify_tree
-    out, path, accepted, *logprobs = op(
+    op = "triton_verify_tree" if use_triton else "reference_verify_tree"
+    out, path, accepted, *logprobs = _ops.call(
+        op,
         target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
         *_ops.params_args(params), seeds, offsets, token_bitmask, method, return_logprobs)
     return TreeVerifyOutput(out, path, accepted,

@@ -117,5 +117,5 @@ def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = No
     if _backend.use_extension("build_tree_attention", backend, device):
         return TreeAttention(*torch.ops.specdec.build_tree_attention(
             parents.contiguous(), num_nodes, prefix_lens))
-    return TreeAttention(*torch.ops.specdec.reference_build_tree_attention(
-        parents, num_nodes, prefix_lens))
+    return TreeAttention(*_ops.call("reference_build_tree_attention", parents, num_nodes,
+                                    prefix_lens))
