@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch (default: torch's; 1 with --quick). On a loaded "
                          "machine one thread gives steadier numbers")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="no torch.compile variants (default: chain and tree at B = 1, except "
+                         "with --quick)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
@@ -131,7 +134,8 @@ def _main(args) -> int:
         print(f"copy bandwidth (read + write): {env.copy_bw_gbps:.1f} GB/s"
               + (f"; L2 {env.l2_bytes / 2**20:.0f} MiB, inputs rotate past 2x L2"
                  if env.l2_bytes else ""))
-    cfg = harness.RunConfig(quick=quick, cpu_budget_s=0.3 if quick else 1.0,
+    cfg = harness.RunConfig(quick=quick, compiled=not (quick or args.no_compiled),
+                            cpu_budget_s=0.3 if quick else 1.0,
                             gpu_rep_ms=50.0 if preset == "gpu_check" else 100.0,
                             backends=set(args.backends.split(",")) if args.backends else None)
     load_avg = os.getloadavg() if hasattr(os, "getloadavg") else None

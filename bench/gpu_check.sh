@@ -99,6 +99,7 @@ else
   TEST_ARGS=(python_tests/test_triton_chain.py python_tests/test_triton_sampling.py
              python_tests/test_triton_tree.py python_tests/test_triton_rng.py
              python_tests/test_tree_attention.py python_tests/test_kv_cache.py
+             python_tests/test_graph_safety.py
              python_tests/test_adapters.py::test_adapters_on_cuda_tensors)
   SMOKE_DEVICE=cuda
 fi

@@ -74,6 +74,7 @@ class Impl:
     kind: str = "ours"                # "ours", "baseline" or "stage"
     stage: str = ""                   # pipeline stage name for kind == "stage"
     graphable: bool = False           # try a CUDA-graph variant too (small batches)
+    compilable: bool = False          # a torch.compile(fullgraph=True) variant too
     prepare: Optional[Callable[[dict], Any]] = None
     note: str = ""
 
@@ -419,6 +420,8 @@ def write_results(rows: list[dict], out_dir: Path, stem: str = "results") -> tup
 class RunConfig:
     quick: bool = False
     graph_max_batch: int = 64         # CUDA-graph variant for batches up to this
+    compiled: bool = True             # "compiled" variants of the compilable impls
+    compiled_max_batch: int = 1       # ... at batches up to this (the launch-bound case)
     cpu_budget_s: float = 1.0         # per measurement on CPU
     gpu_rep_ms: float = 100.0         # per measurement on GPU
     backends: Optional[set] = None    # only these backends (None: all)
@@ -427,6 +430,14 @@ class RunConfig:
 def _one_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     return text[:300]
+
+
+def compiled(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``torch.compile(fn, fullgraph=True)`` (Inductor), compiled on its first call (the timers'
+    warm-up), with Dynamo's caches cleared first: the impls of every case share a few code
+    objects, and their recompilations would otherwise run into Dynamo's cache limit."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True)
 
 
 def run_case(case: Case, op_module, env: Environment, cfg: RunConfig) -> list[dict]:
@@ -452,6 +463,8 @@ def run_case(case: Case, op_module, env: Environment, cfg: RunConfig) -> list[di
         variants = ["eager"]
         if device.type == "cuda" and impl.graphable and case.params.get("B", 0) <= cfg.graph_max_batch:
             variants.append("graph")
+        if cfg.compiled and impl.compilable and case.params.get("B", 0) <= cfg.compiled_max_batch:
+            variants.append("compiled")
         try:
             prepared = [impl.prepare(x) for x in inputs] if impl.prepare else inputs
         except Exception as exc:  # noqa: BLE001
@@ -460,11 +473,12 @@ def run_case(case: Case, op_module, env: Environment, cfg: RunConfig) -> list[di
             continue
         for variant in variants:
             try:
+                fn = compiled(impl.fn) if variant == "compiled" else impl.fn
                 if device.type == "cuda":
-                    timing = time_cuda(impl.fn, prepared, rep_ms=cfg.gpu_rep_ms,
+                    timing = time_cuda(fn, prepared, rep_ms=cfg.gpu_rep_ms,
                                        graph=(variant == "graph"))
                 else:
-                    timing = time_cpu(impl.fn, prepared, budget_s=cfg.cpu_budget_s,
+                    timing = time_cpu(fn, prepared, budget_s=cfg.cpu_budget_s,
                                       max_samples=5 if cfg.quick else 50,
                                       min_samples=2 if cfg.quick else 3)
                 rows.append(make_row(case, impl.backend, impl.kind, env, stage=impl.stage,

@@ -12,17 +12,30 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec_kernels as sk
-from specdec_kernels import _params
+from specdec_kernels import _ops, _params
 
 
 class _CountOps(TorchDispatchMode):
+    """Counts the ops dispatched, also inside the package's Python-implemented ops (a
+    ``specdec::`` custom op runs its implementation under the count, so what it dispatches
+    is counted too)."""
+
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        implementation = _ops.IMPLEMENTATIONS.get(func.name().split("::")[-1]) \
+            if func.namespace == "specdec" else None
         self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+        if implementation is not None:
+            with self:
+                return implementation(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.to and result is args[0]:
+            self.ops[str(func)] -= 1  # a cast to the tensor's own dtype: no kernel
+            self.ops += collections.Counter()  # (drops zero counts)
+        return result
 
 
 class _NoLaunch:
@@ -75,6 +88,8 @@ def test_scalar_parameters_cost_only_the_output_allocations(monkeypatch):
     launches.clear()
     with _CountOps() as counted:
         sk.verify_chain(logits, draft_ids, **kwargs)
+    # One registered op (contract section 15), and inside it only allocations.
+    assert counted.ops.pop("specdec.triton_verify_chain.default") == 1
     assert set(counted.ops) <= {"aten.empty.memory_format"}, dict(counted.ops)
     assert counted.ops["aten.empty.memory_format"] <= 6
     assert launches == {"_row_stats_kernel": 1, "_race_kernel": 1}  # the race accepts too
@@ -100,6 +115,7 @@ def test_tree_walks_cost_only_the_output_allocations(monkeypatch, method, walk):
     launches.clear()
     with _CountOps() as counted:
         sk.verify_tree(logits, ids, parents, **kwargs)
+    assert counted.ops.pop("specdec.triton_verify_tree.default") == 1
     assert set(counted.ops) <= {"aten.empty.memory_format"}, dict(counted.ops)
     assert launches == {"_row_stats_kernel": 1, walk: 1}
 

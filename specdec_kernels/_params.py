@@ -19,6 +19,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from . import _ops  # draw_seeds (_ops imports this module too: used in functions only)
+
 Scalar = Union[int, float, bool]
 PerRequest = Union[Scalar, torch.Tensor, None]
 
@@ -129,7 +131,9 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
     batch size can outgrow the cache), and a tensor filled under capture holds its value only
     when the graph replays. The graph then carries its own small fill kernels.
     """
-    if _capturing(device):
+    # Under torch.compile the fill is part of the traced graph (a cached tensor would be a
+    # graph constant, and a fake tensor must never enter the cache).
+    if torch.compiler.is_compiling() or _capturing(device):
         return torch.full((batch,), value, dtype=dtype, device=device)
     key = (type(value), value, batch, dtype, device, _stream_key(device))
     cached = _BROADCAST_CACHE.get(key)
@@ -344,13 +348,15 @@ def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` int64 seeds and offsets; ``seed=None`` draws one seed per request from torch's
     default generator, so ``torch.manual_seed`` makes runs repeatable (a ``DeferredSeeds``
-    draws its own)."""
+    draws its own). The draw is the op ``specdec::draw_seeds``: under ``torch.compile`` it
+    runs on every call of the compiled step, as in eager mode, and under CUDA-graph capture
+    it is a ``ValueError`` naming ``seed`` (a graph would replay one draw)."""
     # The offset first: a call rejected for its offset must not have advanced the generator.
     o = per_request(_as_int64(offset, "offset"), "offset", batch, device, torch.int64, 0)
     if isinstance(seed, DeferredSeeds):
         seed = seed()
     if seed is None:
-        seed = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64).to(device)
+        seed = _ops.call("draw_seeds", o)
     s = per_request(_as_int64(seed, "seed"), "seed", batch, device, torch.int64, 0)
     return s, o
 

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _backend, _cpu, _params
+from . import _backend, _cpu, _ops, _params
 from ._params import PerRequest
 from .reference import chain as _reference
 
@@ -209,17 +209,20 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
     if validate:
         _check_packed_values(draft_token_ids, cu_num_draft_tokens, max_draft_tokens, vocab)
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
-    if use_triton:  # the kernels read the packed rows in place
-        from .triton import chain as _triton
-        return ChainVerifyOutput(*_triton.verify_chain(
-            target_logits, draft_token_ids, draft_probs, draft_logits, None, params, seeds,
-            offsets, method=method, token_bitmask=token_bitmask,
-            return_logprobs=return_logprobs, packed=(cu_num_draft_tokens, max_draft_tokens)))
-    layout = packed_layout(cu_num_draft_tokens, num_packed, max_draft_tokens)
-    return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
-                      layout.num_draft_tokens, params, seeds, offsets, token_bitmask,
-                      return_logprobs, layout=layout, method=method,
-                      cpp=_cpu.selected(backend, device))
+    if not use_triton and _cpu.selected(backend, device) and \
+            _cpu.runs_chain(target_logits, draft_probs, method):
+        layout = packed_layout(cu_num_draft_tokens, num_packed, max_draft_tokens)
+        return ChainVerifyOutput(*_cpu.verify_chain(
+            target_logits, draft_token_ids, draft_probs, draft_logits, layout.num_draft_tokens,
+            params, seeds, offsets, token_bitmask, layout, method, return_logprobs))
+    # Triton reads the packed rows in place; the reference's definition is the padded layout.
+    op = "triton_verify_chain_packed" if use_triton else "reference_verify_chain_packed"
+    out, accepted, *logprobs = _ops.call(
+        op,
+        target_logits, draft_token_ids, cu_num_draft_tokens, max_draft_tokens, draft_probs,
+        draft_logits, *_ops.params_args(params), seeds, offsets, token_bitmask, method,
+        return_logprobs)
+    return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))
 
 
 class PackedLayout(NamedTuple):
@@ -266,30 +269,19 @@ def _check_drafts(draft_probs, draft_logits, shape, what: str, device) -> None:
 
 def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs,
-               layout: Optional[PackedLayout] = None, method: str = "token",
-               cpp: bool = False) -> ChainVerifyOutput:
-    """The parsed call on its backend; ``layout``: the inputs are packed; ``method``: token or
-    block verification (the one internal entry point of both layouts); ``cpp``: the C++ CPU
-    path where it covers the call (``_cpu``)."""
-    if cpp and _cpu.runs_chain(target_logits, draft_probs, method):
+               method: str = "token", cpp: bool = False) -> ChainVerifyOutput:
+    """The parsed padded call on its backend's op (``_ops``): Triton, the C++ CPU path where
+    it covers the call (``cpp``, ``_cpu``), else the reference."""
+    if cpp and not use_triton and _cpu.runs_chain(target_logits, draft_probs, method):
         return ChainVerifyOutput(*_cpu.verify_chain(
             target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens, params,
-            seeds, offsets, token_bitmask, layout, method, return_logprobs))
-    if layout is not None:  # the reference of the packed layout is the padded one (its definition)
-        target_logits, draft_token_ids, draft_probs, draft_logits, token_bitmask = \
-            padded_inputs(layout, target_logits, draft_token_ids, draft_probs, draft_logits,
-                          token_bitmask)
-    if use_triton:
-        from .triton import chain as _triton
-        return ChainVerifyOutput(*_triton.verify_chain(
-            target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens, params,
-            seeds, offsets, method=method, token_bitmask=token_bitmask,
-            return_logprobs=return_logprobs))
-    out, accepted, logprobs = _reference.verify_chain(
+            seeds, offsets, token_bitmask, None, method, return_logprobs))
+    op = "triton_verify_chain" if use_triton else "reference_verify_chain"
+    out, accepted, *logprobs = _ops.call(
+        op,
         target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
-        params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,
-        token_bitmask=token_bitmask, return_logprobs=return_logprobs, method=method)
-    return ChainVerifyOutput(out, accepted, logprobs)
+        *_ops.params_args(params), seeds, offsets, token_bitmask, method, return_logprobs)
+    return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))
 
 
 def padded_inputs(layout: PackedLayout, target_logits, draft_token_ids, draft_probs,

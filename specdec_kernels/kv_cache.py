@@ -12,9 +12,8 @@ from typing import Sequence, Union
 
 import torch
 
-from . import _backend, _params
+from . import _backend, _ops, _params  # noqa: F401  (_ops registers the ops)
 from ._params import INDEX_DTYPES, check_tensor
-from .reference import kv_cache as _reference
 
 __all__ = ["compact_kv_cache", "compact_paged_kv_cache"]
 
@@ -289,8 +288,8 @@ def compact_kv_cache(caches: Caches, kv_lens: torch.Tensor, accepted_nodes: torc
     if _backend.use_extension("compact_kv_cache", backend, device):
         return torch.ops.specdec.compact_kv_cache(caches, kv_lens, accepted_nodes, num_accepted,
                                                   layout)
-    return _reference.compact_kv_cache(caches, kv_lens, accepted_nodes, num_accepted,
-                                       layout=layout)
+    return _ops.call("reference_compact_kv_cache", caches, kv_lens, accepted_nodes,
+                     num_accepted, layout)
 
 
 def compact_paged_kv_cache(caches: Caches, block_tables: torch.Tensor, kv_lens: torch.Tensor,
@@ -354,5 +353,5 @@ def compact_paged_kv_cache(caches: Caches, block_tables: torch.Tensor, kv_lens: 
     if _backend.use_extension("compact_paged_kv_cache", backend, device):
         return torch.ops.specdec.compact_paged_kv_cache(caches, block_tables, kv_lens,
                                                         accepted_nodes, num_accepted)
-    return _reference.compact_paged_kv_cache(caches, block_tables, kv_lens, accepted_nodes,
-                                             num_accepted)
+    return _ops.call("reference_compact_paged_kv_cache", caches, block_tables, kv_lens,
+                     accepted_nodes, num_accepted)

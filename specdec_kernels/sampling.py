@@ -5,9 +5,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _backend, _cpu, _params
+from . import _backend, _cpu, _ops, _params
 from ._params import PerRequest
-from .reference import sampling as _reference
 
 
 def _check_logits(logits, name: str = "logits", ndim=None) -> torch.Tensor:
@@ -71,8 +70,8 @@ def processed_probs(logits: torch.Tensor, temperature: PerRequest = None, top_k:
     params = _params.sampling_params(temperature, top_k, top_p, batch=rows.shape[0],
                                      vocab_size=rows.shape[-1], device=rows.device,
                                      validate=validate, min_p=min_p)
-    probs = _reference.processed_probs(rows, params.temperature, params.top_k, params.top_p,
-                                       params.min_p, token_bitmask)
+    probs = _ops.call("reference_processed_probs", rows, *_ops.params_args(params),
+                      token_bitmask)
     return probs[0] if squeeze else probs
 
 
@@ -130,13 +129,10 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
                                      device=logits.device, validate=validate, min_p=min_p)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=logits.device)
-    if use_triton:
-        from .triton import sampling as _triton
-        result = _triton.sample(logits, params, seeds, offsets, token_bitmask=token_bitmask,
-                                return_logprobs=return_logprobs)
-    elif _cpu.selected(backend, logits.device) and _cpu.runs_sample(logits):
+    if _cpu.selected(backend, logits.device) and not use_triton and _cpu.runs_sample(logits):
         result = _cpu.sample(logits, params, seeds, offsets, token_bitmask, return_logprobs)
-    else:
-        result = _reference.sample(logits, params.temperature, params.top_k, params.top_p,
-                                   seeds, offsets, params.min_p, token_bitmask, return_logprobs)
-    return result if return_logprobs is None else SampleOutput(*result)
+        return result if return_logprobs is None else SampleOutput(*result)
+    op = "triton_sample" if use_triton else "reference_sample"
+    tokens, *logprobs = _ops.call(op, logits, *_ops.params_args(params), seeds, offsets,
+                                  token_bitmask, return_logprobs)
+    return tokens if return_logprobs is None else SampleOutput(tokens, logprobs[0])

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _backend, _cpu, _params
+from . import _backend, _cpu, _ops, _params
 from ._params import PerRequest
 from .reference import tree as _reference
 
@@ -139,20 +139,18 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
 
-    if use_triton:
-        from .triton import tree as _triton
-        return TreeVerifyOutput(*_triton.verify_tree(
-            target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
-            params, seeds, offsets, method=method, token_bitmask=token_bitmask,
-            return_logprobs=return_logprobs))
-    if _cpu.selected(backend, device) and _cpu.runs_tree(target_logits, draft_probs, method):
+    if not use_triton and _cpu.selected(backend, device) and \
+            _cpu.runs_tree(target_logits, draft_probs, method):
         return TreeVerifyOutput(*_cpu.verify_tree(
             target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
             params, seeds, offsets, token_bitmask, return_logprobs, method))
-    return TreeVerifyOutput(*_reference.verify_tree(
+    op = "triton_verify_tree" if use_triton else "reference_verify_tree"
+    out, path, accepted, *logprobs = _ops.call(
+        op,
         target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
-        params.temperature, params.top_k, params.top_p, seeds, offsets, min_p=params.min_p,
-        token_bitmask=token_bitmask, return_logprobs=return_logprobs, method=method))
+        *_ops.params_args(params), seeds, offsets, token_bitmask, method, return_logprobs)
+    return TreeVerifyOutput(out, path, accepted,
+                            _ops.logprobs_or_none(logprobs))
 
 
 def _check_tree_values(tree_token_ids: torch.Tensor, parents: torch.Tensor,

@@ -6,9 +6,8 @@ from typing import Optional, Union
 
 import torch
 
-from . import _backend, _params
+from . import _backend, _ops, _params  # noqa: F401  (_ops registers the ops)
 from ._params import INDEX_DTYPES, check_tensor
-from .reference import tree_attention as _reference
 from .reference.tree_attention import TreeAttention
 
 __all__ = ["TreeAttention", "build_tree_attention"]
@@ -118,4 +117,5 @@ def build_tree_attention(parents: torch.Tensor, *, num_nodes: PerRequestInt = No
     if _backend.use_extension("build_tree_attention", backend, device):
         return TreeAttention(*torch.ops.specdec.build_tree_attention(
             parents.contiguous(), num_nodes, prefix_lens))
-    return _reference.build_tree_attention(parents, num_nodes=num_nodes, prefix_lens=prefix_lens)
+    return TreeAttention(*_ops.call("reference_build_tree_attention", parents, num_nodes,
+                                    prefix_lens))

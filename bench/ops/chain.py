@@ -42,6 +42,10 @@ DRAFT_PROBS_MODES = ("draft_probs", "top_k_top_p") + DROPIN_MODES
 
 SAMPLED_TEMPERATURE = 1.0
 
+# Modes that also get a "compiled" variant (torch.compile(fullgraph=True) of the call, at
+# B = 1: the launch-bound case; RunConfig.compiled_max_batch), beside eager and graph.
+COMPILED_MODES = ("draft_probs", "onehot")
+
 
 def min_bytes(case: Case) -> int:
     b, k, v = case.params["B"], case.params["K"], case.params["V"]
@@ -220,11 +224,12 @@ def implementations(case: Case, device: torch.device) -> list:
     temperature = _temperature(case)
     impls: list = []
     ok, why = triton_backend_available(device, "chain")
-    impls.append(Impl("triton", _ours("triton", case), graphable=True) if ok
-                 else Skip("triton", why, kind="ours"))
+    compilable = case.mode in COMPILED_MODES
+    impls.append(Impl("triton", _ours("triton", case), graphable=True, compilable=compilable)
+                 if ok else Skip("triton", why, kind="ours"))
     if ok and case.mode not in DROPIN_MODES:
         impls += _triton_parts(case, temperature)
-    impls.append(Impl("reference", _ours("reference", case),
+    impls.append(Impl("reference", _ours("reference", case), compilable=compilable,
                       note="Philox noise over [B, V] in int64 torch ops"))
     if case.mode == "packed":
         if ok:

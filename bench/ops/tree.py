@@ -109,10 +109,13 @@ def implementations(case: Case, device: torch.device) -> list:
                                   backend=backend, validate=False)
         return run
     ok, why = triton_backend_available(device, "tree")
-    impls = [Impl("triton", ours("triton"), graphable=True) if ok else Skip("triton", why, kind="ours")]
+    # A "compiled" variant (torch.compile(fullgraph=True), at B = 1) for the i.i.d. trees.
+    compilable = case.mode == "iid"
+    impls = [Impl("triton", ours("triton"), graphable=True, compilable=compilable) if ok
+             else Skip("triton", why, kind="ours")]
     if device.type == "cpu":  # "auto" on CPU tensors: the C++ path (docs/cpu.md)
         from specdec_kernels import _cpu  # noqa: PLC0415
-        impls.append(Impl("cpp", ours("auto")) if _cpu.AVAILABLE else
+        impls.append(Impl("cpp", ours("auto"), compilable=compilable) if _cpu.AVAILABLE else
                      Skip("cpp", "specdec_kernels._C not built with the CPU sampling ops",
                           kind="ours"))
-    return impls + [Impl("reference", ours("reference"))]
+    return impls + [Impl("reference", ours("reference"), compilable=compilable)]
