@@ -304,11 +304,16 @@ class RejectionSampler(torch.nn.Module):
             accepted drafts, a correction or bonus token, then -1) and ``logprobs_tensors``.
         """
         step = _parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask)
+        if self.validate:
+            _check_values(step, metadata, logits, sampling_metadata, offset)
         want_logprobs = step.max_num_logprobs is not None
-        fuse = self.fused_bonus and step.has_bonus_rows and _fusable(sampling_metadata)
+        # Without a sampler we fuse what we can (unknown processors are ignored, as vLLM
+        # ignores them on draft rows); with one, only a batch that uses nothing else.
+        fuse = self.fused_bonus and step.has_bonus_rows and (
+            self.sampler is None or _fusable(sampling_metadata))
         if not fuse and self.sampler is None:
-            raise ValueError("sampler: this batch needs vLLM's Sampler for its bonus tokens "
-                             "(features we do not fuse, or no bonus rows in logits)")
+            raise ValueError("sampler: None needs the bonus rows in logits (vLLM's runner "
+                             "layout) to sample the bonus tokens in our kernel")
         seeds = _request_seeds(sampling_metadata, seed, step.batch, logits.device)
 
         bonus_output = None
@@ -331,7 +336,7 @@ class RejectionSampler(torch.nn.Module):
         out = verify_chain_packed(
             rows, step.draft_token_ids, step.cu_exclusive, max_draft_tokens=step.max_spec_len,
             draft_probs=draft_probs, token_bitmask=bitmask, seed=seeds, offset=offset,
-            method=self.method, backend=self.backend, validate=self.validate, **params)
+            method=self.method, backend=self.backend, validate=False, **params)
         tokens = out.output_token_ids
         if not fuse:
             bonus = bonus_output.sampled_token_ids.reshape(-1)
@@ -393,7 +398,7 @@ class RejectionSampler(torch.nn.Module):
 def rejection_sample(metadata, draft_probs: Optional[torch.Tensor], logits: torch.Tensor,
                      sampling_metadata, *, seed=None, offset=None,
                      token_bitmask: Optional[torch.Tensor] = None, backend: str = "auto",
-                     validate: bool = False, method: str = "standard") -> torch.Tensor:
+                     validate: bool = True, method: str = "standard") -> torch.Tensor:
     r"""The whole step with the bonus fused (no ``Sampler``): vLLM's runner layout in,
     ``[B, max_spec_len + 1]`` int32 token ids out (``-1`` placeholders).
 
@@ -542,6 +547,42 @@ def _parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask)
                  cu_exclusive, num_drafts_device, in_place, has_bonus_rows, vocab,
                  row_request, row_position, slot_rows_device, bonus_slots,
                  bonus_slot_requests, max_num_logprobs, _has_processors(sampling_metadata))
+
+
+def _check_values(step: _Step, metadata, logits, sm, offset) -> None:
+    """``validate=True``: the device values too (a synchronisation): draft ids in ``[-1, V)``,
+    vLLM's runner layout (or in-range indices), the sampling parameters' ranges."""
+    device = logits.device
+    ids = step.draft_token_ids.to(torch.int64)
+    bad = (ids < PLACEHOLDER_TOKEN_ID) | (ids >= step.vocab)
+    if bool(bad.any()):
+        t = _params.first_true(bad)
+        raise ValueError(f"draft_token_ids: expected ids in [0, {step.vocab}) or -1 (a "
+                         f"rejected draft), got {int(ids[t])} at [{t}]")
+    rows = logits.shape[0]
+    starts = step.cu_exclusive.tolist()
+    cu = metadata.cu_num_draft_tokens.to(torch.int64).tolist()
+    if cu != starts[1:]:
+        raise ValueError(f"cu_num_draft_tokens: expected the inclusive sums of "
+                         f"num_draft_tokens {starts[1:]}, got {cu}")
+    for name in ("target_logits_indices", "bonus_logits_indices"):
+        index = getattr(metadata, name).to(torch.int64)
+        if step.in_place:
+            want = [r for r, (b, j) in enumerate(zip(step.row_request, step.row_position))
+                    if (j < step.num_draft_tokens[b]) == (name == "target_logits_indices")]
+            if index.tolist() != want:
+                raise ValueError(f"{name}: expected vLLM's layout for num_draft_tokens "
+                                 f"{step.num_draft_tokens} (each request's draft rows, then "
+                                 f"its bonus row), {want}, got {index.tolist()}")
+        elif index.numel() and bool(((index < 0) | (index >= rows)).any()):
+            raise ValueError(f"{name}, cu_num_draft_tokens: expected row indices in "
+                             f"[0, {rows}) (logits has {rows} rows), got {index.tolist()}")
+    params = _sampling_params(sm, step.batch)
+    _params.sampling_params(params["temperature"], params["top_k"], params["top_p"],
+                            batch=step.batch, vocab_size=step.vocab, device=device,
+                            validate=True, min_p=params["min_p"])
+    _params.per_request(_params._as_int64(offset, "offset"), "offset", step.batch, device,
+                        torch.int64, 0)
 
 
 def _host_counts(values, name: str) -> list:
@@ -717,8 +758,7 @@ def _apply_sampling_features(rows: torch.Tensor, step: _Step, sm, *, bonus: bool
             if j < step.num_draft_tokens[b] or bonus]
 
     def history(b, j):
-        past = list(output[b]) if b < len(output) else []
-        return past + list(spec[b][:j]) if b < len(spec) else past
+        return row_history(output, spec, b, j)
 
     # Per packed row: its request and whether it gets the features (elementwise ops over
     # all rows with neutral values elsewhere: in place, no gathered copy of the rows).
@@ -776,6 +816,16 @@ def _apply_sampling_features(rows: torch.Tensor, step: _Step, sm, *, bonus: bool
                                              spec_token_ids=getattr(sm, "spec_token_ids", None))
             rows.index_copy_(0, index, updated)
     return rows
+
+
+def row_history(output_token_ids, spec_token_ids, request: int, position: int) -> list:
+    """The output a token generated at ``position`` of ``request``'s chain follows: its
+    output so far, then its drafts ``1..position`` (vLLM's ``_combine_outputs_with_spec_tokens``
+    for draft rows; the bonus row, position ``n``, follows every draft)."""
+    past = list(output_token_ids[request]) if request < len(output_token_ids) else []
+    if request < len(spec_token_ids):
+        past += list(spec_token_ids[request][:position])
+    return past
 
 
 def _apply_min_tokens(rows, min_toks: dict, live, device) -> None:
