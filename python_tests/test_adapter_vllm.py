@@ -336,3 +336,313 @@ def test_vllm_bad_input_names_the_argument():
         vllm.rejection_sample(metadata, draft_probs, logits.long(), sampling)
 
 
+
+
+# --- vLLM 0.33.0's class: constructor, Sampler, features, logprobs --------------------------
+
+class FakeSampler:
+    """vLLM's ``Sampler`` as the rejection sampler calls it: ``(logits, sampling_metadata,
+    predict_bonus_token, logprobs_mode_override)``; greedy arg-max of the bonus rows it gets,
+    logits back as its ``logprobs_tensors.logprobs`` when asked (``max_num_logprobs=-1``)."""
+
+    def __init__(self, logprobs_mode="raw_logprobs"):
+        self.logprobs_mode, self.calls = logprobs_mode, []
+
+    def __call__(self, logits, sampling_metadata, predict_bonus_token=False,
+                 logprobs_mode_override=None):
+        self.calls.append((logits.clone(), predict_bonus_token, logprobs_mode_override))
+        lp = None
+        if sampling_metadata.max_num_logprobs == -1:
+            lp = vllm.LogprobsTensors(torch.empty(0), logits.float().clone(), torch.empty(0))
+        return vllm.SamplerOutput(logits.argmax(-1).int()[:, None], lp)
+
+
+def _features_problem(num_drafts, vocab=12, seed=0):
+    """A batch using every draft-row feature: penalties, bad words, allowed ids, logit bias
+    and min_tokens (vLLM's builtin processors mirrored by attribute name)."""
+    gen = torch.Generator().manual_seed(seed)
+    metadata, logits, _ = _vllm_problem(num_drafts, vocab=vocab, seed=seed, with_probs=False)
+    batch = len(num_drafts)
+    spec = []
+    start = 0
+    for n in num_drafts:
+        spec.append(metadata.draft_token_ids[start:start + n].tolist())
+        start += n
+    output = [torch.randint(0, vocab, (3,), generator=gen).tolist() for _ in range(batch)]
+    allowed_mask = torch.rand(batch, vocab, generator=gen) < 0.2  # True = disallowed
+    bad_words = {0: [[spec[0][0], 7], [3]], 2: [[5]]} if num_drafts[0] else {2: [[5]]}
+    biases = {1: {2: 3.0, 4: -2.0}, 2: {0: 1.5}}
+    min_toks = {0: (5, output[0], {1, 6}, False)}
+    logitsprocs = types.SimpleNamespace(
+        argmax_invariant=[],
+        non_argmax_invariant=[types.SimpleNamespace(min_toks=min_toks,
+                                                    apply_with_spec_decode=None),
+                              types.SimpleNamespace(biases=biases)])
+    sampling = vllm.SamplingMetadata(
+        temperature=None, all_greedy=True, all_random=False, no_penalties=False,
+        prompt_token_ids=torch.randint(0, vocab + 1, (batch, 4), generator=gen),
+        frequency_penalties=torch.rand(batch, generator=gen),
+        presence_penalties=torch.rand(batch, generator=gen),
+        repetition_penalties=1 + torch.rand(batch, generator=gen),
+        output_token_ids=output, spec_token_ids=spec, allowed_token_ids_mask=allowed_mask,
+        bad_words_token_ids=bad_words, logitsprocs=logitsprocs)
+    features = dict(output=output, spec=spec, allowed_mask=allowed_mask, bad_words=bad_words,
+                    biases=biases, min_toks=min_toks)
+    return metadata, logits, sampling, features
+
+
+def _processed_row(row, sampling, features, b, j):
+    """Independent float64 definition of vLLM's Sampler features for the token at position j
+    of request b (history: output + drafts 1..j), in its order: allowed ids, bad words,
+    min_tokens, logit_bias, then repetition/frequency/presence penalties."""
+    x = row.double().tolist()
+    vocab = len(x)
+    past = features["output"][b] + features["spec"][b][:j]
+    for v in range(vocab):
+        if features["allowed_mask"][b, v]:
+            x[v] = -math.inf
+    for word in features["bad_words"].get(b, []):
+        if len(word) - 1 <= len(past) and (len(word) == 1 or past[-(len(word) - 1):] == word[:-1]):
+            x[word[-1]] = -math.inf
+    entry = features["min_toks"].get(b)
+    if entry is not None and len(entry[1]) + j < entry[0]:
+        for v in entry[2]:
+            x[v] = -math.inf
+    for v, bias in features["biases"].get(b, {}).items():
+        x[v] += bias
+    prompt = set(sampling.prompt_token_ids[b].tolist())
+    rep = float(sampling.repetition_penalties[b])
+    freq, pres = float(sampling.frequency_penalties[b]), float(sampling.presence_penalties[b])
+    for v in range(vocab):
+        count = past.count(v)
+        if v in prompt or count:
+            x[v] = x[v] / rep if x[v] > 0 else x[v] * rep
+        x[v] -= freq * count + pres * (count > 0)
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def _vllm_greedy_rule(metadata, logits, sampling, features, bonus_tokens):
+    """vLLM's greedy rule on the processed rows: accept while the draft is the arg-max."""
+    out = torch.full((len(metadata.num_draft_tokens), metadata.max_spec_len + 1), -1,
+                     dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(metadata.num_draft_tokens):
+        drafts = metadata.draft_token_ids[start:start + n].tolist()
+        rows = metadata.target_logits_indices[start:start + n].tolist()
+        start += n
+        for j in range(n):
+            best = int(_processed_row(logits[rows[j]], sampling, features, b, j).argmax())
+            out[b, j] = best
+            if best != drafts[j]:
+                break
+        else:
+            out[b, n] = bonus_tokens[b]
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_vllm_class_greedy_equals_vllms_rule_with_every_feature(fused):
+    """RejectionSampler(sampler, spec_config, device) as vLLM's runner builds it; the bonus
+    token from the Sampler (given the bonus rows, predict_bonus_token=True) or fused; draft
+    rows processed in place with the draft-aware history: vLLM's greedy tokens exactly."""
+    for seed in range(4):
+        num_drafts = [3, 0, 2, 1]
+        metadata, logits, sampling, features = _features_problem(num_drafts, seed=seed)
+        # Make drafts often right: each draft the arg-max of its processed row, some flipped.
+        start = 0
+        for b, n in enumerate(num_drafts):
+            for j in range(n):
+                row = metadata.target_logits_indices[start + j]
+                best = int(_processed_row(logits[row], sampling, features, b, j).argmax())
+                token = best if (seed + b + j) % 3 else (best + 1) % logits.shape[1]
+                metadata.draft_token_ids[start + j] = token
+                features["spec"][b][j] = token
+            start += n
+        sampler = FakeSampler()
+        spec_config = types.SimpleNamespace(rejection_sample_method="standard")
+        rejection_sampler = vllm.RejectionSampler(sampler, spec_config, torch.device("cpu"),
+                                                  fused_bonus=fused)
+        bonus_rows = logits[metadata.bonus_logits_indices.long()]
+        if fused:
+            bonus = [int(_processed_row(bonus_rows[b], sampling, features, b, n).argmax())
+                     for b, n in enumerate(num_drafts)]
+        else:
+            bonus = bonus_rows.argmax(-1).tolist()
+        want = _vllm_greedy_rule(metadata, logits.clone(), sampling, features, bonus)
+        output = rejection_sampler(metadata, None, logits, sampling)
+        assert output.sampled_token_ids.dtype == torch.int32
+        assert torch.equal(output.sampled_token_ids, want), seed
+        assert len(sampler.calls) == (0 if fused else 1)
+        if not fused:
+            given, predict_bonus, _ = sampler.calls[0]
+            assert predict_bonus and torch.equal(given, bonus_rows)
+
+
+def test_vllm_minus_one_drafts_are_rejected_drafts():
+    """vLLM's scheduler pads grammar-invalid drafts with -1: the request stops there with a
+    correction token, greedy or sampled, with or without draft probabilities; never an error."""
+    metadata, logits, draft_probs = _vllm_problem([3, 2, 1], seed=11)
+    metadata.draft_token_ids[1] = -1   # request 0: draft 2 invalid (and what follows)
+    metadata.draft_token_ids[2] = -1
+    metadata.draft_token_ids[5] = -1   # request 2's only draft
+    sampler = vllm.RejectionSampler(FakeSampler())
+    for temperature in (None, torch.ones(3)):
+        sampling = vllm.SamplingMetadata(temperature=temperature, all_greedy=temperature is None,
+                                         all_random=temperature is not None)
+        for probs in (None, draft_probs):
+            out = sampler(metadata, probs, logits.clone(), sampling).sampled_token_ids
+            assert out[0, 2:].tolist() == [-1, -1] and out[2, 1:].tolist() == [-1] * 3
+            assert bool((out[:, 0] >= 0).all()) and bool((out < logits.shape[1]).all())
+            if temperature is None:
+                assert out[2, 0] == logits[7].argmax()
+
+
+def test_vllm_malformed_metadata_names_the_field_writes_nothing_draws_nothing():
+    metadata, logits, draft_probs = _vllm_problem([2, 1, 2], seed=12)
+    generator = torch.Generator().manual_seed(3)
+    sampling = vllm.SamplingMetadata(temperature=torch.ones(3), all_greedy=False,
+                                     all_random=True, generators={1: generator})
+    fake = FakeSampler()
+    sampler = vllm.RejectionSampler(fake)
+    before, state, default = logits.clone(), generator.get_state(), torch.get_rng_state()
+
+    def meta(**changes):
+        fields = dict(draft_token_ids=metadata.draft_token_ids,
+                      num_draft_tokens=metadata.num_draft_tokens,
+                      cu_num_draft_tokens=metadata.cu_num_draft_tokens,
+                      target_logits_indices=metadata.target_logits_indices,
+                      bonus_logits_indices=metadata.bonus_logits_indices)
+        fields.update(changes)
+        return types.SimpleNamespace(**fields)
+    cases = [(meta(num_draft_tokens=[-1, 4, 2]), ValueError, "num_draft_tokens"),
+             (meta(num_draft_tokens=[2.9, 1.0, 2]), TypeError, "num_draft_tokens"),
+             (meta(num_draft_tokens=torch.tensor([2, 1, 2])), TypeError, "num_draft_tokens"),
+             (None, TypeError, "metadata"),
+             (meta(num_draft_tokens=[2, 2, 2]), ValueError, "draft_token_ids"),
+             (meta(num_draft_tokens=[2, 1, 2, 0]), ValueError, "cu_num_draft_tokens"),
+             (meta(target_logits_indices=metadata.target_logits_indices[:-1]), ValueError,
+              "target_logits_indices"),
+             (meta(bonus_logits_indices=metadata.bonus_logits_indices[:2]), ValueError,
+              "bonus_logits_indices"),
+             (meta(draft_token_ids=metadata.draft_token_ids.float()), TypeError,
+              "draft_token_ids"),
+             (meta(max_spec_len=7), ValueError, "max_spec_len")]
+    for bad, error, name in cases:
+        with pytest.raises(error, match=name):
+            sampler(bad, draft_probs, logits, sampling)
+    with pytest.raises(ValueError, match="draft_probs"):
+        sampler(metadata, draft_probs[:-1], logits, sampling)
+    with pytest.raises(TypeError, match="sampling_metadata"):
+        sampler(metadata, draft_probs, logits, None)
+    with pytest.raises(ValueError, match="temperature"):
+        sampler(metadata, draft_probs, logits, vllm.SamplingMetadata(
+            temperature=None, all_greedy=False, all_random=True))
+    with pytest.raises(ValueError, match="spec_token_ids"):
+        sampler(metadata, draft_probs, logits, vllm.SamplingMetadata(
+            temperature=torch.ones(3), all_greedy=False, all_random=True,
+            bad_words_token_ids={0: [[1]]}, output_token_ids=[[], [], []]))
+    assert torch.equal(logits, before), "a rejected call wrote to logits"
+    assert torch.equal(generator.get_state(), state) and not fake.calls
+    assert torch.equal(torch.get_rng_state(), default)
+
+
+def test_vllm_modes_block_and_delegation():
+    """"block" is our block verification; FLy and synthetic are vLLM's own class (without
+    vLLM: NotImplementedError at construction naming rejection_sample_method)."""
+    metadata, logits, draft_probs = _vllm_problem(VLLM_NUM_DRAFTS, seed=13)
+    sampling = vllm.SamplingMetadata(temperature=torch.ones(5), all_greedy=False,
+                                     all_random=True)
+    seeds = torch.arange(5) + 100
+    block = vllm.RejectionSampler(None, types.SimpleNamespace(rejection_sample_method="block"),
+                                  fused_bonus=True)
+    out = block(metadata, draft_probs, logits, sampling, seed=seeds).sampled_token_ids
+    cu = torch.nn.functional.pad(metadata.cu_num_draft_tokens.long(), (1, 0))
+    want = sk.verify_chain_packed(logits, metadata.draft_token_ids, cu, max_draft_tokens=3,
+                                  draft_probs=draft_probs, temperature=1.0, seed=seeds,
+                                  method="block")
+    assert torch.equal(out, want.output_token_ids)
+    try:
+        import vllm as _vllm_installed  # noqa: F401
+    except ImportError:
+        for method in ("fly", "synthetic"):
+            with pytest.raises(NotImplementedError, match="rejection_sample_method"):
+                vllm.RejectionSampler(FakeSampler(),
+                                      types.SimpleNamespace(rejection_sample_method=method))
+    with pytest.raises(NotImplementedError, match="rejection_sample_method"):
+        vllm.RejectionSampler(FakeSampler(), types.SimpleNamespace(rejection_sample_method="x"))
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "raw_logits",
+                                  "processed_logits"])
+def test_vllm_logprobs_tensors_are_log_softmax_of_the_emitting_row(mode):
+    """vLLM's LogprobsTensors: per slot the emitted token then the top n, their logprobs and
+    the token's rank, from the row the token was emitted at; parse_output filters them."""
+    num_drafts = [3, 0, 2]
+    metadata, logits, draft_probs = _vllm_problem(num_drafts, seed=14)
+    temperature = torch.tensor([0.7, 1.0, 0.0])
+    sampling = vllm.SamplingMetadata(temperature=temperature, all_greedy=False,
+                                     all_random=False, max_num_logprobs=3,
+                                     top_k=torch.tensor([5, 11, 11]))
+    for fused in (False, True):
+        sampler = vllm.RejectionSampler(FakeSampler(mode), fused_bonus=fused)
+        output = sampler(metadata, draft_probs, logits.clone(), sampling,
+                         seed=torch.tensor([1, 2, 3]))
+        tokens, lp = output.sampled_token_ids, output.logprobs_tensors
+        assert lp.logprob_token_ids.shape == (3 * 4, 4) and lp.logprobs.shape == (3 * 4, 4)
+        starts = [0, 4, 5]
+        for b, n in enumerate(num_drafts):
+            for j in range(n + 1):
+                token = int(tokens[b, j])
+                if token < 0:
+                    break
+                row = logits[starts[b] + j].double()
+                if mode.startswith("processed"):
+                    t = float(temperature[b]) or 1.0
+                    probs = sk.processed_probs(row[None].float(), t, int(sampling.top_k[b]))[0]
+                    is_bonus_from_sampler = j == n and not fused
+                    scores = row if is_bonus_from_sampler else torch.where(
+                        probs > 0, row / t, -math.inf)
+                else:
+                    scores = row
+                want = scores if mode.endswith("logits") else scores.log_softmax(-1)
+                slot = b * 4 + j
+                assert int(lp.logprob_token_ids[slot, 0]) == token
+                assert abs(float(lp.logprobs[slot, 0]) - float(want[token])) < 1e-4
+                top = want.topk(3)
+                assert torch.allclose(lp.logprobs[slot, 1:].double(), top.values, atol=1e-4)
+                assert int(lp.selected_token_ranks[slot]) == int((want >= want[token]).sum())
+        lists, logprobs_lists = vllm.RejectionSampler.parse_output(tokens, 11, (),
+                                                                   lp)
+        assert sum(map(len, lists)) == len(logprobs_lists.logprob_token_ids)
+        assert logprobs_lists.cu_num_generated_tokens[-1] == sum(map(len, lists))
+
+
+def test_vllm_parse_output_signature_and_discard():
+    tokens = torch.tensor([[1, 2, -1], [3, -1, -1], [4, 5, 6]], dtype=torch.int32)
+    lists, logprobs = vllm.RejectionSampler.parse_output(tokens, 6, discard_req_indices=[1])
+    assert lists == [[1, 2], [], [4, 5]] and logprobs is None
+
+
+def test_vllm_default_path_makes_no_host_synchronisation(monkeypatch):
+    """The adapter's own code (checks, features, seeds, the bonus merge) reads no tensor value
+    on the host: every device-to-host read raises while it runs (the op is stubbed: its own
+    graph safety is test_graph_safety's)."""
+    metadata, logits, draft_probs = _vllm_problem(VLLM_NUM_DRAFTS, seed=15)
+    metadata2, _, sampling, _ = _features_problem(VLLM_NUM_DRAFTS, vocab=11, seed=15)
+    sampling.temperature, sampling.all_greedy = torch.ones(5), False
+    sampling.generators = {1: torch.Generator().manual_seed(1)}
+    sampling.max_num_logprobs = 2
+
+    def stub(rows, ids, cu, *, max_draft_tokens, seed, **kwargs):
+        seed()  # the deferred draw
+        zeros = torch.zeros(cu.shape[0] - 1, max_draft_tokens + 1, dtype=torch.int32)
+        return sk.chain.ChainVerifyOutput(zeros, zeros[:, 0].clone())
+    monkeypatch.setattr(vllm, "verify_chain_packed", stub)
+    sampler = vllm.RejectionSampler(FakeSampler(), fused_bonus=False)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronisation")
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "nonzero", "__int__",
+                 "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    sampler(metadata2, draft_probs, logits, sampling)
