@@ -646,3 +646,58 @@ def test_vllm_default_path_makes_no_host_synchronisation(monkeypatch):
                  "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     sampler(metadata2, draft_probs, logits, sampling)
+
+
+def _history_law_round(batch: int, gen: torch.Generator):
+    """Requests with 2 drafts whose first draft is accepted (row 0 all but one-hot on it):
+    the second emitted token comes from row 1, whose history includes draft 1. Every request
+    is penalised, logit-biased, allowed-ids-masked and has a bad word starting with draft 1."""
+    vocab, temperature, first = 8, 0.9, 3
+    row0 = torch.full((vocab,), -40.0)
+    row0[first] = 40.0
+    row1 = torch.randn(vocab, generator=gen)
+    row1[first] = 1.5  # the penalties on draft 1 matter
+    q = _random_probs(vocab, gen, zeros=False)
+    second = torch.multinomial(q, batch, replacement=True, generator=gen)
+    drafts = torch.stack([torch.full((batch,), first), second], 1)
+    metadata = vllm.SpecDecodeMetadata.from_draft_token_ids(drafts.tolist())
+    logits = torch.stack([row0, row1, torch.zeros(vocab)]).repeat(batch, 1)
+    draft_probs = torch.stack([torch.nn.functional.one_hot(torch.tensor(first), vocab).float(),
+                               q]).repeat(batch, 1)
+    mask = torch.zeros(batch, vocab, dtype=torch.bool)
+    mask[:, 6] = True
+    output = [[1, 2]] * batch
+    features = dict(output=output, spec=drafts.tolist(), allowed_mask=mask,
+                    bad_words={b: [[first, 5]] for b in range(batch)},
+                    biases={b: {0: 0.7} for b in range(batch)}, min_toks={})
+    sampling = vllm.SamplingMetadata(
+        temperature=torch.full((batch,), temperature), all_greedy=False, all_random=True,
+        no_penalties=False, prompt_token_ids=torch.tensor([[4, vocab]] * batch),
+        frequency_penalties=torch.full((batch,), 0.8),
+        presence_penalties=torch.full((batch,), 0.3),
+        repetition_penalties=torch.full((batch,), 1.7), output_token_ids=output,
+        spec_token_ids=features["spec"], allowed_token_ids_mask=mask,
+        bad_words_token_ids=features["bad_words"],
+        logitsprocs=types.SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[
+            types.SimpleNamespace(biases=features["biases"])]))
+    out = vllm.rejection_sample(metadata, draft_probs, logits, sampling,
+                                seed=torch.arange(batch) * 7 + 1, offset=3, validate=False)
+    processed = _processed_row(row1, sampling, features, 0, 1)
+    law = torch.tensor(oracle_probs(processed.tolist(), temperature, 0, 1.0, 0.0),
+                       dtype=torch.float64)
+    assert bool((out[:, 0] == first).all())
+    return out[:, 1], law
+
+
+def test_vllm_law_with_draft_aware_history():
+    tokens, law = _history_law_round(LAW_BATCH, torch.Generator().manual_seed(21))
+    assert _law_pvalue(tokens, law) > ALPHA
+
+
+def test_vllm_law_catches_history_without_drafts(monkeypatch):
+    """Planted bug: the penalties and bad words of draft row 2 ignore draft 1 (the history
+    vLLM's sampler gives its bonus row without spec tokens)."""
+    monkeypatch.setattr(vllm, "row_history",
+                        lambda output, spec, b, j: list(output[b]) if b < len(output) else [])
+    tokens, law = _history_law_round(LAW_BATCH, torch.Generator().manual_seed(21))
+    assert _law_pvalue(tokens, law) < ALPHA, "the chi-square test missed the history bug"
