@@ -13,7 +13,7 @@ export CUDA_HOME
 CSRC        := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 JOBS        ?= 2
 
-.PHONY: demo test setup build ctest pytest bench e2e clean
+.PHONY: demo test setup build ctest pytest bench e2e clean engine-tests engine-tests-vllm
 
 demo: build
 	$(PY) -m specdec_kernels.demo
@@ -63,6 +63,15 @@ bench: build
 # transformers' own (<= ~16 min on 2 idle CPU threads); writes bench/results/<device>-<date>/e2e.*
 e2e: build
 	$(PY) -m bench.e2e
+
+# Engines' own unit tests against our adapters (not part of `make test`: they download the
+# engines' wheels and sdists from the package index into build/engine-tests/).
+engine-tests: engine-tests-vllm
+
+# vLLM 0.33.0's tests/v1/sample/test_rejection_sampler.py with our RejectionSampler swapped
+# in by docs/engines.md's line (TRITON_INTERPRET=1, VLLM_TARGET_DEVICE=cpu, no CUDA device).
+engine-tests-vllm: build
+	PYTHON=$(abspath $(PY)) engine_tests/vllm/run.sh
 
 clean:
 	rm -rf build specdec_kernels/*.so *.egg-info
