@@ -701,3 +701,64 @@ def test_vllm_law_catches_history_without_drafts(monkeypatch):
                         lambda output, spec, b, j: list(output[b]) if b < len(output) else [])
     tokens, law = _history_law_round(LAW_BATCH, torch.Generator().manual_seed(21))
     assert _law_pvalue(tokens, law) < ALPHA, "the chi-square test missed the history bug"
+
+
+# --- MRV2 ----------------------------------------------------------------------------------
+
+def _mrv2_problem(num_drafts, vocab=9, max_num_reqs=6, seed=0):
+    """MRV2's inputs: logits rows per request (drafts then bonus), the input ids at each row
+    (row r's draft is at r + 1), request slots through idx_mapping."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, steps = len(num_drafts), max(num_drafts)
+    counts = torch.tensor(num_drafts) + 1
+    cu = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).int()
+    num_logits = int(cu[-1])
+    target = torch.randn(num_logits, vocab, generator=gen) * 1.5
+    draft_sampled = torch.randint(0, vocab, (num_logits,), generator=gen)
+    idx_mapping = torch.randperm(max_num_reqs, generator=gen)[:num_reqs].int()
+    draft_logits = torch.randn(max_num_reqs, steps, vocab, generator=gen)
+    expanded_idx = torch.repeat_interleave(idx_mapping, counts)
+    local = torch.cat([torch.arange(int(c)) for c in counts]).int()
+    pos = (torch.arange(num_logits) + 100).long()
+    temperature = torch.rand(max_num_reqs, generator=gen) + 0.5
+    seeds = torch.randint(0, 2**40, (max_num_reqs,), generator=gen)
+    return dict(target_logits=target, draft_logits=draft_logits, draft_sampled=draft_sampled,
+                cu_num_logits=cu, pos=pos, idx_mapping=idx_mapping,
+                expanded_idx_mapping=expanded_idx, expanded_local_pos=local,
+                temperature=temperature, seed=seeds, num_speculative_steps=steps)
+
+
+def test_mrv2_rejection_sample_is_verify_chain_on_mrv2_layout():
+    """MRV2's signature and outputs; greedy: vLLM's rule (accept while the draft is the
+    arg-max); sampled: verify_chain on the padded equivalent with q = softmax(draft / T)."""
+    from specdec_kernels.adapters import vllm_mrv2
+    num_drafts = [2, 0, 3, 1]
+    problem = _mrv2_problem(num_drafts)
+    problem["temperature"][problem["idx_mapping"][0]] = 0.0
+    problem["draft_sampled"][2] = -1  # request 0's second draft: rejected
+    sampled, num_sampled = vllm_mrv2.rejection_sample(**problem)
+    assert sampled.dtype == torch.int64 and sampled.shape == (4, 4)
+    assert num_sampled.dtype == torch.int32
+    cu = problem["cu_num_logits"].tolist()
+    target, ids = problem["target_logits"], problem["draft_sampled"]
+    # Request 0 is greedy: draft 1 vs arg-max of row 0, then draft 2 = -1 is rejected.
+    first = int(target[0].argmax())
+    if int(ids[1]) == first:
+        assert sampled[0, :2].tolist() == [first, int(target[1].argmax())]
+    else:
+        assert sampled[0, 0] == first and int(num_sampled[0]) == 1
+    for i in range(1, 4):
+        n, slot = num_drafts[i], int(problem["idx_mapping"][i])
+        t = float(problem["temperature"][slot])
+        rows = target[cu[i]:cu[i + 1]]
+        drafts = ids[cu[i] + 1:cu[i + 1]]
+        q = problem["draft_logits"][slot, :n] / t
+        K = 3
+        pad = lambda x, width, fill: torch.cat([x, x.new_full((width - x.shape[0],) +
+                                                              tuple(x.shape[1:]), fill)])
+        want = sk.verify_chain(pad(rows, K + 1, 0.0)[None], pad(drafts, K, 0)[None],
+                               draft_logits=pad(q, K, 0.0)[None], num_draft_tokens=n,
+                               temperature=1.0, seed=int(problem["seed"][slot]),
+                               offset=int(problem["pos"][cu[i]]))
+        assert torch.equal(sampled[i], want.output_token_ids[0].long()), i
+        assert int(num_sampled[i]) == int(want.num_accepted[0]) + 1

@@ -90,5 +90,66 @@ try:
 except Exception as error:  # noqa: BLE001
     print(f"vLLM's own Sampler does not run here: {type(error).__name__}: {error}")
 
+
+# --- MRV2: our rejection_sample against vLLM's own (its Triton kernels, interpreted on CPU)
+from scipy import stats  # noqa: E402
+
+from specdec_kernels.adapters import vllm_mrv2  # noqa: E402
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import \
+    rejection_sample as vllm_mrv2_rejection_sample  # noqa: E402
+
+
+def mrv2_inputs(num_reqs, vocab, steps, temperature, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.full((num_reqs,), steps + 1)
+    cu = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).int()
+    num_logits = int(cu[-1])
+    target_row = torch.randn(steps + 1, vocab, generator=gen) * 1.5
+    draft_row = torch.randn(steps, vocab, generator=gen)
+    draft_logits = draft_row.expand(num_reqs, steps, vocab).contiguous()
+    t = torch.full((num_reqs,), float(temperature))
+    target = (target_row / (temperature or 1.0)).repeat(num_reqs, 1)  # MRV2: processed rows
+    draft_sampled = torch.zeros(num_logits, dtype=torch.int64)
+    q = torch.softmax(draft_row / (temperature or 1.0), -1)
+    for j in range(steps):
+        draft_sampled.view(num_reqs, steps + 1)[:, j + 1] = torch.multinomial(
+            q[j], num_reqs, replacement=True, generator=gen)
+    return dict(target_logits=target, draft_logits=draft_logits, draft_sampled=draft_sampled,
+                cu_num_logits=cu, pos=torch.arange(num_logits, dtype=torch.int64) + 7,
+                idx_mapping=torch.arange(num_reqs, dtype=torch.int32),
+                expanded_idx_mapping=torch.repeat_interleave(torch.arange(num_reqs), counts).int(),
+                expanded_local_pos=torch.arange(steps + 1).repeat(num_reqs).int(),
+                temperature=t, seed=torch.randint(0, 2**40, (num_reqs,), generator=gen),
+                num_speculative_steps=steps), torch.softmax(target_row[0] / (temperature or 1.0), -1)
+
+
+try:
+    inputs, _ = mrv2_inputs(24, 50, 3, 0.0)
+    want, want_n = vllm_mrv2_rejection_sample(**inputs)
+    got, got_n = vllm_mrv2.rejection_sample(**inputs)
+    live = torch.arange(4)[None, :] < want_n[:, None]
+    same = torch.equal(want_n, got_n) and torch.equal(want[live], got[live])
+    print(f"MRV2 greedy, 24 requests x 3 drafts: tokens equal to vLLM's: {same}")
+    if not same:
+        failures.append("MRV2 greedy tokens differ from vLLM's")
+    for method in (False, True):
+        inputs, law = mrv2_inputs(3000, 6, 1, 0.8, seed=1)
+        first = {}
+        for name, fn in (("vLLM", vllm_mrv2_rejection_sample),
+                         ("ours", vllm_mrv2.rejection_sample)):
+            sampled, _ = fn(**inputs, use_block_verification=method)
+            counts = torch.bincount(sampled[:, 0], minlength=6).double()
+            expected = law.double() * counts.sum()
+            pvalue = float(stats.chisquare(counts, expected).pvalue)
+            first[name] = pvalue
+        label = "block" if method else "token"
+        print(f"MRV2 {label}: first emitted token vs softmax(target row 0), 3000 requests: "
+              f"chi-square p = vLLM {first['vLLM']:.3g}, ours {first['ours']:.3g}")
+        if first["ours"] < 1e-3:
+            failures.append(f"MRV2 {label}: our law rejected (p = {first['ours']:.3g})")
+except Exception as error:  # noqa: BLE001
+    print(f"MRV2 comparison did not run: {type(error).__name__}: {error}")
+    failures.append("MRV2 comparison did not run")
+
 print("FAILED: " + "; ".join(failures) if failures else "OK")
 sys.exit(1 if failures else 0)
