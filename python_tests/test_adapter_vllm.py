@@ -762,3 +762,33 @@ def test_mrv2_rejection_sample_is_verify_chain_on_mrv2_layout():
                                offset=int(problem["pos"][cu[i]]))
         assert torch.equal(sampled[i], want.output_token_ids[0].long()), i
         assert int(num_sampled[i]) == int(want.num_accepted[0]) + 1
+
+
+def _invalid_draft_law_round(batch: int, gen: torch.Generator):
+    """Every request's only draft is -1 (a grammar-invalid token x, p(x) = 0, drawn from q):
+    the emitted token follows the residual norm(max(p - q, 0)), as rejecting x gives."""
+    vocab = 7
+    row = torch.randn(vocab, generator=gen)
+    row[0] = -math.inf  # the grammar's invalid token
+    q = _random_probs(vocab, gen, zeros=False)
+    metadata = vllm.SpecDecodeMetadata.from_draft_token_ids([[-1]] * batch)
+    logits = torch.stack([row, torch.zeros(vocab)]).repeat(batch, 1)
+    sampling = vllm.SamplingMetadata(temperature=torch.ones(batch), all_greedy=False,
+                                     all_random=True, spec_token_ids=[[-1]] * batch)
+    out = vllm.rejection_sample(metadata, q.expand(batch, vocab), logits, sampling,
+                                seed=torch.arange(batch) + 5, validate=False)
+    p = torch.softmax(row.double(), -1)
+    residual = (p - q.double()).clamp(min=0)
+    return out[:, 0], residual / residual.sum()
+
+
+def test_vllm_minus_one_draft_with_probs_follows_the_residual():
+    tokens, law = _invalid_draft_law_round(LAW_BATCH, torch.Generator().manual_seed(31))
+    assert _law_pvalue(tokens, law) > ALPHA
+
+
+def test_vllm_law_catches_minus_one_sampled_from_p(monkeypatch):
+    monkeypatch.setattr(vllm, "_stand_ins_for_invalid_drafts",
+                        lambda step, rows, draft_probs, sm: step.draft_token_ids)
+    tokens, law = _invalid_draft_law_round(LAW_BATCH, torch.Generator().manual_seed(31))
+    assert _law_pvalue(tokens, law) < ALPHA, "the chi-square test missed -1 sampled from p"

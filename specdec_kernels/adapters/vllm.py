@@ -35,7 +35,9 @@ The step, as vLLM does it:
   unless the bonus is fused. Then temperature, top-k, min-p, top-p and the optional grammar
   ``token_bitmask`` are fused in the kernel.
 * A draft id of ``-1`` (vLLM's scheduler pads grammar-invalid drafts with it) is a rejected
-  draft: the request stops there and emits a correction token. Never an error.
+  draft: the request stops there and emits a correction token, never an error. With
+  ``draft_probs`` the correction is vLLM's residual ``max(p - q, 0)`` (the first ``-1``, known
+  from ``spec_token_ids``, stands for a ``-inf`` token of its row); without, a sample of ``p``.
 * ``sampling_metadata.max_num_logprobs`` set: ``logprobs_tensors`` is vLLM's
   ``LogprobsTensors`` over every output slot (``[B * (max_spec_len + 1), n + 1]`` ids and
   logprobs, the emitted token first, and its rank), in the sampler's ``logprobs_mode``:
@@ -333,8 +335,9 @@ class RejectionSampler(torch.nn.Module):
         rows = _apply_sampling_features(rows, step, sampling_metadata, bonus=fuse)
 
         params = _sampling_params(sampling_metadata, step.batch)
+        draft_ids = _stand_ins_for_invalid_drafts(step, rows, draft_probs, sampling_metadata)
         out = verify_chain_packed(
-            rows, step.draft_token_ids, step.cu_exclusive, max_draft_tokens=step.max_spec_len,
+            rows, draft_ids, step.cu_exclusive, max_draft_tokens=step.max_spec_len,
             draft_probs=draft_probs, token_bitmask=bitmask, seed=seeds, offset=offset,
             method=self.method, backend=self.backend, validate=False, **params)
         tokens = out.output_token_ids
@@ -592,6 +595,9 @@ def _host_counts(values, name: str) -> list:
                         f"got {type(values).__name__}")
     counts = []
     for b, n in enumerate(values):
+        if type(n) is int and n >= 0:  # the common case, cheaply
+            counts.append(n)
+            continue
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise TypeError(f"{name}: expected Python ints, got {n!r} "
                             f"({type(n).__name__}) for request {b}")
@@ -826,6 +832,35 @@ def row_history(output_token_ids, spec_token_ids, request: int, position: int) -
     if request < len(spec_token_ids):
         past += list(spec_token_ids[request][:position])
     return past
+
+
+def _stand_ins_for_invalid_drafts(step: _Step, rows, draft_probs, sm) -> torch.Tensor:
+    """The draft ids the kernel verifies. A ``-1`` draft replaced a grammar-invalid token ``x``
+    that the drafter sampled from ``q``; its exact correction is the residual
+    ``max(p - q, 0)``, what rejecting ``x`` (``p(x) = 0``) gives. With ``draft_probs``, the
+    first ``-1`` of a request (known from the host list ``spec_token_ids``) becomes a token
+    of its row with logit ``-inf`` (surely rejected, same residual); a row without one keeps
+    ``-1`` (the kernel then samples ``p``). One-hot drafters need nothing: their residual
+    is ``p``. Device ops on the few rows concerned, no synchronisation."""
+    spec = getattr(sm, "spec_token_ids", None)
+    if draft_probs is None or not isinstance(spec, (list, tuple)) or len(spec) < step.batch:
+        return step.draft_token_ids
+    packed, packed_rows, start = [], [], 0
+    for b, n in enumerate(step.num_draft_tokens):
+        drafts = list(spec[b])[:n]
+        if PLACEHOLDER_TOKEN_ID in drafts:
+            j = drafts.index(PLACEHOLDER_TOKEN_ID)
+            packed.append(start + j)
+            packed_rows.append(start + b + j)
+        start += n
+    if not packed:
+        return step.draft_token_ids
+    device = rows.device
+    lowest, token = rows[_to_device(packed_rows, device)].float().min(-1)
+    stand_in = torch.where(torch.isneginf(lowest), token, PLACEHOLDER_TOKEN_ID)
+    ids = step.draft_token_ids.clone()
+    ids[_to_device(packed, device)] = stand_in.to(ids.dtype)
+    return ids
 
 
 def _apply_min_tokens(rows, min_toks: dict, live, device) -> None:
