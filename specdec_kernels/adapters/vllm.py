@@ -73,8 +73,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import math
+import importlib
+import importlib.util
 import numbers
+import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -219,19 +221,40 @@ def _vllm_types():
     return vllm_output, vllm_logprobs
 
 
+_VLLM_MODULE = "vllm.v1.sample.rejection_sampler"
+_vllm_class_kept: list = []  # a strong reference: after the swap nothing else holds it
+
+
+def _keep_vllm_class() -> None:
+    """Keep vLLM's own class while its module still names it (the swap line imports vLLM's
+    module, then ours, then replaces the attribute)."""
+    module = sys.modules.get(_VLLM_MODULE)
+    candidate = getattr(module, "RejectionSampler", None)
+    if isinstance(candidate, type) and candidate.__module__ == _VLLM_MODULE \
+            and not _vllm_class_kept:
+        _vllm_class_kept.append(candidate)
+
+
 def _vllm_rejection_sampler_class():
     """vLLM's own ``RejectionSampler`` class, found even after the swap line replaced the
-    module attribute with ours (it stays a direct ``nn.Module`` subclass)."""
+    module attribute with ours; None without vLLM."""
     try:
-        import vllm.v1.sample.rejection_sampler as module
+        module = importlib.import_module(_VLLM_MODULE)
     except ImportError:
         return None
-    for cls in torch.nn.Module.__subclasses__():
-        if cls.__module__ == module.__name__ and cls.__name__ == "RejectionSampler" \
-                and not issubclass(cls, RejectionSampler):
+    _keep_vllm_class()
+    if _vllm_class_kept:
+        return _vllm_class_kept[0]
+    for cls in torch.nn.Module.__subclasses__():  # still alive, not yet collected
+        if cls.__module__ == _VLLM_MODULE and cls.__name__ == "RejectionSampler":
+            _vllm_class_kept.append(cls)
             return cls
-    candidate = getattr(module, "RejectionSampler", None)
-    return None if candidate is None or issubclass(candidate, RejectionSampler) else candidate
+    # Swapped before we were imported and collected since: a private copy of vLLM's module.
+    spec = importlib.util.find_spec(_VLLM_MODULE)
+    private = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(private)
+    _vllm_class_kept.append(private.RejectionSampler)
+    return private.RejectionSampler
 
 
 # --------------------------------------------------------------------------------------------
@@ -995,3 +1018,6 @@ def _processed_logits(rows, slot_rows, step: _Step, bitmask, params) -> torch.Te
                             token_bitmask=None if bitmask is None else bitmask[slot_rows])
     scale = temperature[:, None] if isinstance(temperature, torch.Tensor) else temperature
     return torch.where(probs > 0, z / scale, float("-inf"))
+
+
+_keep_vllm_class()

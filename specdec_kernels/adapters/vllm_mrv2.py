@@ -36,6 +36,9 @@ synchronisation: every index is computed on the device.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from typing import Optional
 
 import torch
@@ -138,18 +141,33 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
     return out.output_token_ids.to(torch.int64), out.num_accepted + 1
 
 
+_VLLM_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+_vllm_class_kept: list = []  # a strong reference: after the swap nothing else holds it
+
+
+def _keep_vllm_class() -> None:
+    module = sys.modules.get(_VLLM_MODULE)
+    candidate = getattr(module, "RejectionSampler", None)
+    if isinstance(candidate, type) and candidate.__module__ == _VLLM_MODULE \
+            and not _vllm_class_kept:
+        _vllm_class_kept.append(candidate)
+
+
 def _vllm_mrv2_class():
     """vLLM's own MRV2 ``RejectionSampler`` (found after the swap too)."""
-    import vllm.v1.worker.gpu.spec_decode.rejection_sampler as module
-    candidate = getattr(module, "RejectionSampler", None)
-    if isinstance(candidate, type) and getattr(candidate, "_specdec_adapter", False):
-        candidate = candidate.__mro__[1]
-    if isinstance(candidate, type) and candidate.__module__ == module.__name__:
-        return candidate
-    for cls in object.__subclasses__():
-        if cls.__module__ == module.__name__ and cls.__name__ == "RejectionSampler":
-            return cls
-    raise ImportError("vLLM's MRV2 RejectionSampler not found")
+    importlib.import_module(_VLLM_MODULE)
+    _keep_vllm_class()
+    if not _vllm_class_kept:
+        for cls in object.__subclasses__():
+            if cls.__module__ == _VLLM_MODULE and cls.__name__ == "RejectionSampler":
+                _vllm_class_kept.append(cls)
+                break
+        else:  # swapped before we were imported and collected since: a private copy
+            spec = importlib.util.find_spec(_VLLM_MODULE)
+            private = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(private)
+            _vllm_class_kept.append(private.RejectionSampler)
+    return _vllm_class_kept[0]
 
 
 class RejectionSampler:
@@ -195,3 +213,6 @@ def _adapted(base: type) -> type:
             "_verify": _verify, "_specdec_adapter": True, "__module__": __name__,
             "__doc__": RejectionSampler.__doc__})
     return _ADAPTED[base]
+
+
+_keep_vllm_class()
