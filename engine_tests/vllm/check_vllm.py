@@ -59,7 +59,7 @@ logits = torch.randn(total + batch, vocab, generator=gen)
 for b, d in enumerate(drafts):  # make most drafts the arg-max
     start = sum(num_drafts[:b]) + b
     for j, token in enumerate(d):
-        logits[start + j, token] += 4.0 if (b + j) % 3 else 0.0
+        logits[start + j, token] += 6.0 if (b + j) % 3 != 2 else 0.0
 
 
 def sampling(max_num_logprobs=None):
@@ -75,6 +75,9 @@ def sampling(max_num_logprobs=None):
         logitsprocs=LogitsProcessors())
 
 
+# vLLM's Sampler picks torch.ops._C.greedy_argmax on its CPU platform, an op of vLLM's CPU
+# build that the CUDA wheel lacks: use its other platforms' line (logits.argmax(-1)).
+Sampler.greedy_sample = staticmethod(lambda logits: logits.argmax(dim=-1).view(-1))
 try:
     want = theirs(metadata, None, logits.clone(), sampling()).sampled_token_ids
     got = ours(metadata, None, logits.clone(), sampling()).sampled_token_ids
@@ -133,20 +136,25 @@ try:
     if not same:
         failures.append("MRV2 greedy tokens differ from vLLM's")
     for method in (False, True):
-        inputs, law = mrv2_inputs(3000, 6, 1, 0.8, seed=1)
-        first = {}
-        for name, fn in (("vLLM", vllm_mrv2_rejection_sample),
-                         ("ours", vllm_mrv2.rejection_sample)):
-            sampled, _ = fn(**inputs, use_block_verification=method)
-            counts = torch.bincount(sampled[:, 0], minlength=6).double()
-            expected = law.double() * counts.sum()
-            pvalue = float(stats.chisquare(counts, expected).pvalue)
-            first[name] = pvalue
         label = "block" if method else "token"
-        print(f"MRV2 {label}: first emitted token vs softmax(target row 0), 3000 requests: "
-              f"chi-square p = vLLM {first['vLLM']:.3g}, ours {first['ours']:.3g}")
-        if first["ours"] < 1e-3:
-            failures.append(f"MRV2 {label}: our law rejected (p = {first['ours']:.3g})")
+        inputs, law = mrv2_inputs(3000, 6, 1, 0.8, seed=1)
+        for name, fn in (("vLLM's", vllm_mrv2_rejection_sample),
+                         ("ours", vllm_mrv2.rejection_sample)):
+            try:
+                sampled, _ = fn(**inputs, use_block_verification=method)
+            except Exception as error:  # noqa: BLE001
+                print(f"MRV2 {label}, {name}: does not run here: {type(error).__name__}: "
+                      f"{str(error)[:120]}")
+                if name == "ours":
+                    failures.append(f"MRV2 {label}: ours did not run")
+                continue
+            counts = torch.bincount(sampled[:, 0], minlength=6).double()
+            expected = law.double() / law.double().sum() * counts.sum()
+            pvalue = float(stats.chisquare(counts, expected).pvalue)
+            print(f"MRV2 {label}, {name}: first emitted token vs softmax(target row 0), "
+                  f"3000 requests: chi-square p = {pvalue:.3g}")
+            if name == "ours" and pvalue < 1e-3:
+                failures.append(f"MRV2 {label}: our law rejected (p = {pvalue:.3g})")
 except Exception as error:  # noqa: BLE001
     print(f"MRV2 comparison did not run: {type(error).__name__}: {error}")
     failures.append("MRV2 comparison did not run")
