@@ -13,7 +13,7 @@ export CUDA_HOME
 CSRC        := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 JOBS        ?= 2
 
-.PHONY: demo test setup build ctest pytest bench e2e clean engine-tests engine-tests-flashinfer engine-tests-sglang
+.PHONY: demo test setup build ctest pytest bench e2e clean engine-tests engine-tests-vllm engine-tests-flashinfer engine-tests-sglang
 
 demo: build
 	$(PY) -m specdec_kernels.demo
@@ -65,11 +65,16 @@ e2e: build
 	$(PY) -m bench.e2e
 
 # The engines' own unit tests of the kernels the adapters replace, fetched at run time from
-# the package index (never committed) and run unmodified against the adapters through a
-# conftest shim (docs/engines.md). Venvs and downloads under build/engine-tests/<engine>;
-# FLASHINFER_TESTS / SGL_KERNEL_TESTS point at a source checkout's tests where the released
-# artifacts ship none.
-engine-tests: engine-tests-flashinfer engine-tests-sglang
+# the package index (never committed) and run unmodified against the adapters through the
+# swap lines of docs/engines.md. Not part of `make test` (they download). Venvs and downloads
+# under build/engine-tests/<engine>; FLASHINFER_TESTS / SGL_KERNEL_TESTS point at a source
+# checkout's tests where the released artifacts ship none.
+engine-tests: engine-tests-vllm engine-tests-flashinfer engine-tests-sglang
+
+# vLLM 0.33.0's tests/v1/sample/test_rejection_sampler.py with our RejectionSampler swapped
+# in by docs/engines.md's line (TRITON_INTERPRET=1, VLLM_TARGET_DEVICE=cpu, no CUDA device).
+engine-tests-vllm: build
+	PYTHON=$(abspath $(PY)) engine_tests/vllm/run.sh
 
 engine-tests-flashinfer: build
 	$(PY) engine_tests/flashinfer/run.py

@@ -1,7 +1,10 @@
 """Engine adapters (contract section 13): an engine's own call shapes, our exact kernels.
 
-* :mod:`specdec_kernels.adapters.vllm` -- vLLM V1's spec-decode rejection sampling step on its
-  flattened ``[T+B, V]`` logits, via :func:`specdec_kernels.verify_chain_packed` (no copy).
+* :mod:`specdec_kernels.adapters.vllm` -- vLLM 0.33.0's V1 ``RejectionSampler`` (its constructor,
+  ``forward`` and ``parse_output``) on its flattened ``[T+B, V]`` logits, via
+  :func:`specdec_kernels.verify_chain_packed` (read in place).
+* :mod:`specdec_kernels.adapters.vllm_mrv2` -- vLLM 0.33.0's MRV2 ``rejection_sample`` and
+  ``RejectionSampler``.
 * :mod:`specdec_kernels.adapters.flashinfer` -- ``chain_speculative_sampling``
   (flashinfer-python 0.7.4).
 * :mod:`specdec_kernels.adapters.sglang` -- EAGLE trees (``retrive_*`` linked lists) to and from
@@ -11,6 +14,6 @@
 Each module names the engine version whose layout it follows and every difference; none
 imports its engine. ``docs/engines.md`` shows the lines that swap each one in.
 """
-from . import flashinfer, sglang, vllm
+from . import flashinfer, sglang, vllm, vllm_mrv2
 
-__all__ = ["flashinfer", "sglang", "vllm"]
+__all__ = ["flashinfer", "sglang", "vllm", "vllm_mrv2"]
