@@ -9,6 +9,12 @@ import torch
 
 from specdec_kernels import _extension
 
+# Under pytest-xdist (`make test` runs `-n 2`) each worker gets one torch thread: two workers
+# on two cores, each with two threads, would spin against each other at every parallel op.
+# Tests that need more threads set them themselves and restore this.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # The Triton tests run on CUDA tensors when a GPU is present (and TRITON_INTERPRET is not
 # set), else on CPU tensors in Triton's interpreter, as CI runs them.
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
