@@ -43,18 +43,26 @@ $(INSTALL_STAMP): $(EXT_STAMP)
 
 # The torch-free core and its C++ tests, plain and under AddressSanitizer.
 # (cmake, ctest and ninja come from .venv: requirements.txt pins them.)
+# CTEST_CUDA: whether the plain build also compiles csrc/core/kernels.cu with nvcc (it runs
+# no CUDA test; it checks that the CUDA code builds). Under `make test` the extension build
+# has just compiled that file for the same architectures, so the second compile is skipped.
 CMAKE       := $(VENV)/bin/cmake
 CTEST       := $(VENV)/bin/ctest
+CTEST_CUDA  ?= ON
+test: CTEST_CUDA := $(if $(and $(CUDA_HOME),$(filter-out 1,$(SPECDEC_FORCE_CPU))),OFF,ON)
 ctest: $(DEPS_STAMP)
-	$(CMAKE) -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Release
+	$(CMAKE) -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Release -DSPECDEC_CUDA=$(CTEST_CUDA)
 	$(CMAKE) --build build/cmake -j $(JOBS)
 	$(CTEST) --test-dir build/cmake --output-on-failure
 	$(CMAKE) -S . -B build/cmake-asan -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Debug -DSPECDEC_ASAN=ON -DSPECDEC_CUDA=OFF
 	$(CMAKE) --build build/cmake-asan -j $(JOBS)
 	$(CTEST) --test-dir build/cmake-asan --output-on-failure
 
+# Two workers (pytest-xdist), each test file whole on one worker, the costliest files first
+# (python_tests/conftest.py orders them), one torch thread per worker. PYTEST_WORKERS=0: serial.
+PYTEST_WORKERS ?= 2
 pytest: build
-	TRITON_INTERPRET=1 $(PY) -m pytest python_tests -q
+	TRITON_INTERPRET=1 $(PY) -m pytest python_tests -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: build
 	$(PY) -m bench

@@ -199,8 +199,9 @@ def test_gpu_check_script_parses():
 
 
 def test_method_gain_measurement():
-    """The methods' gain table (README): a draft equal to the target accepts everything with
-    every method; a noisy draft gains >= 0 with block (pointwise) and the table renders."""
+    """The methods' gain table (docs/methods.md): a draft equal to the target accepts
+    everything with every method; a noisy draft gains >= 0 with block (pointwise) and the
+    table renders."""
     same = spec_model.chain_method_gain(0.0, num_drafts=3, batch=32, vocab=16)
     assert same["token_exact"] == pytest.approx(3.0) and same["block"] == pytest.approx(3.0)
     assert same["token_measured"] == same["block_measured"] == 3.0

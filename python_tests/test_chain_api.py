@@ -34,9 +34,12 @@ def _check_well_formed(out, num_drafts, vocab, num_draft_tokens=None):
 
 @pytest.mark.parametrize("backend", CHAIN_BACKENDS)
 def test_same_seed_same_tokens_and_offsets_matter(backend):
-    target, draft_logits, _ = _problem(batch=16)
+    # The claim does not depend on the batch; Triton's interpreter pays ~0.4 s per request
+    # and call here, so it runs 6 requests where the reference runs 16.
+    batch = 16 if backend == "reference" else 6
+    target, draft_logits, _ = _problem(batch=batch)
     drafts = torch.stack([sk.sample(draft_logits[:, j], seed=11, offset=j) for j in range(3)], 1)
-    kw = dict(draft_logits=draft_logits, seed=torch.arange(16), backend=backend)
+    kw = dict(draft_logits=draft_logits, seed=torch.arange(batch), backend=backend)
     a = sk.verify_chain(target, drafts, offset=4, **kw)
     b = sk.verify_chain(target, drafts, offset=4, **kw)
     assert torch.equal(a.output_token_ids, b.output_token_ids)

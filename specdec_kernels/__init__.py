@@ -2,7 +2,7 @@
 
 Every op has a pure-PyTorch reference (``specdec_kernels.reference``), Triton kernels
 (``specdec_kernels.triton``) and, for tree attention and the KV cache, a C++/CUDA extension.
-The specification is docs/semantics.md; README.md is the guide.
+The specification is docs/semantics.md; the manual starts at docs/index.md.
 """
 from .sampling import SampleOutput, processed_probs, sample
 from .chain import ChainVerifyOutput, verify_chain, verify_chain_packed
