@@ -27,8 +27,9 @@ from typing import Optional
 import torch
 
 from bench.harness import device_name, git_commit
-from specdec_kernels.e2e import engine as E
-from specdec_kernels.e2e.engine import Request, Sampling, Speculation, generate
+from specdec_kernels.e2e.config import Sampling, Speculation, Stats, replace
+from specdec_kernels.e2e.engine import cache_recompute_error, generate, warm_up as loop_warm_up
+from specdec_kernels.e2e.verify import methods_for, verify_methods
 from specdec_kernels.e2e.model import early_exit_draft, load_model
 from specdec_kernels.e2e.peers import hf_generate
 from specdec_kernels.e2e.tasks import task_requests
@@ -53,7 +54,7 @@ class Group:
         return f"{self.task} b{self.batch} T{self.temperature:g}"
 
 
-ALL_METHODS = "all"  # a spec's methods: every installed one that applies (E.methods_for)
+ALL_METHODS = "all"  # a spec's methods: every installed one that applies (methods_for)
 
 
 def _ng(k, methods=("token",)):
@@ -165,7 +166,7 @@ def _percentile(values, q):
 
 def run_ours(model, requests, batch, sampling, spec, draft, eos, keep_cache=False):
     """Requests in chunks of ``batch`` (static batches); (tokens, merged stats, kept)."""
-    tokens, stats, kept = [], E.Stats(), []
+    tokens, stats, kept = [], Stats(), []
     for start in range(0, len(requests), batch):
         chunk = requests[start:start + batch]
         result = generate(model, chunk, sampling, spec, draft_model=draft, eos_token_id=eos,
@@ -180,7 +181,7 @@ def run_ours(model, requests, batch, sampling, spec, draft, eos, keep_cache=Fals
 def _methods(spec: Speculation, methods) -> tuple:
     """The methods to run for a spec: ``"all"`` or a comma list / tuple, kept to those the
     installed ops take for it."""
-    applicable = E.methods_for(spec)
+    applicable = methods_for(spec)
     if methods == ALL_METHODS:
         return applicable
     if isinstance(methods, str):
@@ -193,10 +194,10 @@ def _methods(spec: Speculation, methods) -> tuple:
 
 
 def warm_up(model, draft, tokenizer) -> float:
-    """Our loop's paths (E.warm_up) and transformers' generate, before anything is timed."""
+    """Our loop's paths (the loop's warm_up) and transformers' generate, before anything is timed."""
     start = time.perf_counter()
     requests = task_requests(tokenizer, "copy", 2, max_new_tokens=6)
-    E.warm_up(model, requests, draft_model=draft, eos_token_id=tokenizer.eos_token_id)
+    loop_warm_up(model, requests, draft_model=draft, eos_token_id=tokenizer.eos_token_id)
     hf_generate(model, requests[:1], Sampling(), "hf_plain",
                 eos_token_id=tokenizer.eos_token_id)
     return time.perf_counter() - start
@@ -233,7 +234,7 @@ def _row(meta, group, spec, method, stats, baselines, identical, extra):
     }
 
 
-def _plain_again(model, requests, group, sampling, eos, first: E.Stats, baselines: dict,
+def _plain_again(model, requests, group, sampling, eos, first: Stats, baselines: dict,
                  rows: list) -> None:
     """Plain decoding once more after the group's speculative runs: this machine's speed
     drifts by ~20% within minutes, so ``plain`` is both runs' tokens over both runs'
@@ -356,14 +357,14 @@ def main(argv=None) -> dict:
             for method in _methods(spec, args.methods or spec_methods):
                 if args.time_budget and time.perf_counter() - started > args.time_budget:
                     break
-                spec_m = E.replace(spec, method=method)
+                spec_m = replace(spec, method=method)
                 tokens, stats, kept = run_ours(model, requests, group.batch, sampling, spec_m,
                                                draft, eos, keep_cache=group.keep_cache)
                 identical = (tokens == plain_tokens) if sampling.greedy and group.plain \
                     else None
                 extra = {}
                 if group.keep_cache:
-                    worst = max(E.cache_recompute_error(model, r, t, k)
+                    worst = max(cache_recompute_error(model, r, t, k)
                                 for r, t, k in zip(requests, tokens, kept))
                     extra["kv_recompute_max_abs_diff"] = worst
                     report["checks"]["kv_cache_vs_recompute"] = {
@@ -390,7 +391,7 @@ def main(argv=None) -> dict:
         for drafter, method, bug in (("ngram", "token", None), ("model", "token", None),
                                      ("model", "block", None),
                                      ("ngram", "token", "rows_one_late")):
-            if method not in E.verify_methods("chain"):
+            if method not in verify_methods("chain"):
                 continue
             t0 = time.perf_counter()
             result = first_two_tokens_test(  # block differs from token from 2 drafts on

@@ -4,7 +4,7 @@ recorded greedy runs, without timing noise.
 Greedy speculation emits plain greedy decoding's tokens whatever the draft lengths, so one
 plain run of a request set fixes, at every point of every answer, the n-gram proposal and how
 many of its tokens the target accepts (the longest common prefix of the proposal and the
-answer). A policy (fixed ``K``, :class:`~specdec_kernels.e2e.engine.AdaptiveLength`, or the
+answer). A policy (fixed ``K``, :class:`~specdec_kernels.e2e.adaptive.AdaptiveLength`, or the
 oracle that drafts exactly what will be accepted) is replayed on that record; each step costs
 a packed verify forward over its rows, measured once per row count on the real model
 (median of a few forwards) and interpolated between them. What it leaves out: the time of
@@ -26,9 +26,11 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from specdec_kernels.e2e import engine as E
+from specdec_kernels.e2e.config import Request, Sampling, Speculation
+from specdec_kernels.e2e.engine import generate
+from specdec_kernels.e2e.adaptive import AdaptiveLength
 from specdec_kernels.e2e.drafters import NgramDrafter
-from specdec_kernels.e2e.model import SlotCache, chain_visibility, forward_block
+from specdec_kernels.e2e.model import SlotCache, chain_visibility, forward_block, prefill
 
 MAX_DRAFT = 16
 SETS = (("copy", 1, 4, 128), ("rare_terms", 1, 2, None), ("copy", 4, 4, 96),
@@ -37,9 +39,9 @@ SETS = (("copy", 1, 4, 128), ("rare_terms", 1, 2, None), ("copy", 4, 4, 96),
 Policy = Union[int, str]  # K, "adaptive" or "oracle"
 
 
-def record(model, requests: Sequence[E.Request], eos: Optional[int]) -> list[dict]:
+def record(model, requests: Sequence[Request], eos: Optional[int]) -> list[dict]:
     """Plain greedy answers of ``requests``: [{prompt, answer}]."""
-    result = E.generate(model, requests, E.Sampling(), E.Speculation(), eos_token_id=eos)
+    result = generate(model, requests, Sampling(), Speculation(), eos_token_id=eos)
     return [{"prompt": list(r.prompt), "answer": a} for r, a in zip(requests, result.tokens)]
 
 
@@ -52,7 +54,7 @@ def measure_costs(model, batch: int, context: int = 300, rounds: int = 5) -> dic
     totals = sorted({batch * m for m in (1, 2, 3, 5, 9, width)} | {batch + 1, batch + 2}
                     if batch > 1 else set(range(1, 9)) | {10, 12, 14, width})
     cache = SlotCache(batch, context + width + 1)
-    kv_lens = E._prefill(model, cache, [[5] * (context + 1)] * batch, "cpu")
+    kv_lens = prefill(model, cache, [[5] * (context + 1)] * batch, "cpu")
     tokens = torch.full((batch, width), 7)
     visible, depth = chain_visibility(batch, width, "cpu")
     times: dict[int, list[float]] = {total: [] for total in totals}
@@ -98,7 +100,7 @@ def replay(records: list[dict], batch: int, policy: Policy,
         chunk = records[start:start + batch]
         done = [0] * len(chunk)
         live = list(range(len(chunk)))
-        adaptive = (E.AdaptiveLength(len(chunk), MAX_DRAFT, calibrate=True,
+        adaptive = (AdaptiveLength(len(chunk), MAX_DRAFT, calibrate=True,
                                      draft_cost_per_level=False)
                     if policy == "adaptive" else None)
         while live:

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from specdec_kernels.e2e import engine as E
+from specdec_kernels.e2e.adaptive import AdaptiveLength
 from specdec_kernels.e2e.drafters import NgramDrafter
-from specdec_kernels.e2e.engine import Request, Sampling, Speculation, generate
+from specdec_kernels.e2e.config import Sampling, Speculation, replace
+from specdec_kernels.e2e.engine import generate
+from specdec_kernels.e2e.verify import methods_for, verify_methods
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def _probe_steps(adaptive, steps, accept=lambda k: 0):
 
 
 def test_adaptive_length_backs_off_and_probes():
-    adaptive = E.AdaptiveLength(1, 8, row_exponent=0.5)  # as if 4 rows cost 2x one
+    adaptive = AdaptiveLength(1, 8, row_exponent=0.5)  # as if 4 rows cost 2x one
     for _ in range(20):
         adaptive.observe(0, 4, 0)
     # Probes after 4 plain steps, then 8, then 16: each probe here accepts nothing.
@@ -87,7 +90,7 @@ def test_adaptive_length_backs_off_and_probes():
 
 
 def test_a_probe_drafts_several_and_an_accepted_one_resets_the_gap():
-    adaptive = E.AdaptiveLength(1, 16, row_exponent=0.5)
+    adaptive = AdaptiveLength(1, 16, row_exponent=0.5)
     for _ in range(20):
         adaptive.observe(0, 4, 0)
     chosen = [adaptive.choose([16])[0] for _ in range(4)]
@@ -105,7 +108,7 @@ def test_a_probe_drafts_several_and_an_accepted_one_resets_the_gap():
 def test_adaptive_lengths_are_per_request():
     """The packed verify forward costs its rows, so one request's long chain charges the
     others nothing: each request gets its own length, and none where drafts never land."""
-    adaptive = E.AdaptiveLength(16, 8)
+    adaptive = AdaptiveLength(16, 8)
     adaptive.observe_cost(16, 1.0)             # a plain step of 16 rows
     adaptive.observe_cost(40, 1.5)             # 40 rows: 2% more per extra row
     for b in range(16):                        # nor does the batch's rate at position 1
@@ -120,12 +123,12 @@ def test_adaptive_lengths_are_per_request():
 
 
 def test_adaptive_cost_fits_a_power_law_then_uses_measured_counts():
-    adaptive = E.AdaptiveLength(1, 8)
+    adaptive = AdaptiveLength(1, 8)
     adaptive.observe_cost(1, 0.04)
     adaptive.observe_cost(4, 0.08)                # seconds = 0.04 * rows^0.5
     assert adaptive.verify_seconds(9) == pytest.approx(0.12)
     assert adaptive.verify_seconds(16) == pytest.approx(0.16)
-    for _ in range(E.AdaptiveLength.MEASURED):  # two rows cost what one does
+    for _ in range(AdaptiveLength.MEASURED):  # two rows cost what one does
         adaptive.observe_cost(2, 0.04)
     assert adaptive.verify_seconds(2) == pytest.approx(0.04)
 
@@ -137,13 +140,14 @@ def test_packed_forward_equals_the_padded_one(models, lengths):
     and each longer request's rest alone: request 0's last 2 rows; requests 1 and 3 (not
     first in the packed sequence) past row 1."""
     from specdec_kernels.e2e.model import (SlotCache, _split_rows, chain_visibility,
-                                           forward_block)
+                                           forward_block, prefill)
+    from specdec_kernels.e2e.verify import pack_chain_rows
     model, _, _ = models
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=generator).tolist()
                for n in (30, 12, 45, 20)]
     caches = [SlotCache(4, 80) for _ in range(2)]
-    kv_lens = [E._prefill(model, c, prompts, "cpu") for c in caches]
+    kv_lens = [prefill(model, c, prompts, "cpu") for c in caches]
     tokens = torch.randint(0, 1000, (4, 5), generator=generator)
     assert _split_rows(lengths) == {5: 3, 1: 1}[lengths[0]]
     lengths = torch.tensor(lengths)
@@ -152,7 +156,7 @@ def test_packed_forward_equals_the_padded_one(models, lengths):
     packed = forward_block(model, caches[1], tokens, kv_lens[1], visible, depth,
                            lengths=lengths)
     assert packed.shape == (int(lengths.sum()), padded.shape[-1])
-    assert (E.pack_chain_rows(padded, lengths) - packed).abs().max() < 1e-4
+    assert (pack_chain_rows(padded, lengths) - packed).abs().max() < 1e-4
     for old, new in zip(*(c.tensors() for c in caches)):
         for b in range(4):
             end = int(kv_lens[0][b] + lengths[b])
@@ -163,7 +167,7 @@ def test_packed_forward_equals_the_padded_one(models, lengths):
 
 
 def test_adaptive_state_follows_its_request_when_others_leave():
-    adaptive = E.AdaptiveLength(3, 8)
+    adaptive = AdaptiveLength(3, 8)
     for _ in range(10):
         adaptive.observe(0, 4, 0)
         adaptive.observe(2, 4, 4)
@@ -177,7 +181,7 @@ def test_adaptive_state_follows_its_request_when_others_leave():
 
 def test_a_request_without_proposals_still_comes_to_its_probe():
     """Steps where the n-gram has nothing to propose do not restart the wait for a probe."""
-    adaptive = E.AdaptiveLength(1, 8, row_exponent=0.5)
+    adaptive = AdaptiveLength(1, 8, row_exponent=0.5)
     for _ in range(20):
         adaptive.observe(0, 4, 0)
     chosen = [adaptive.choose([8] if step % 2 else [0])[0] for step in range(8)]
@@ -192,8 +196,8 @@ def test_adaptive_trees_are_rejected(models, requests):
 
 
 def test_verify_methods_include_token():
-    assert "token" in E.verify_methods("chain")
-    assert "token" in E.verify_methods("tree")
+    assert "token" in verify_methods("chain")
+    assert "token" in verify_methods("tree")
 
 
 def test_greedy_speculation_equals_plain_decoding(models, requests):
@@ -207,8 +211,8 @@ def test_greedy_speculation_equals_plain_decoding(models, requests):
              Speculation("model", 0, tree=(2, 1)),
              Speculation("model", 0, tree=(2, 1), children="without_replacement")]
     for spec in specs:
-        for method in E.methods_for(spec):
-            result = generate(model, requests, Sampling(), E.replace(spec, method=method),
+        for method in methods_for(spec):
+            result = generate(model, requests, Sampling(), replace(spec, method=method),
                               draft_model=draft, eos_token_id=eos)
             assert result.tokens == plain.tokens, (spec, method)
             if spec.adaptive:  # it drafted (an adaptive run may then back off)
@@ -237,7 +241,7 @@ def test_first_two_tokens_law(models, drafter, method):
     n-gram's one-hot q it is the token law)."""
     from specdec_kernels.e2e.exactness import first_two_tokens_test
     from specdec_kernels.e2e.tasks import encode
-    if method not in E.verify_methods("chain"):
+    if method not in verify_methods("chain"):
         pytest.skip(f"the installed verify_chain has no method {method!r}")
     model, draft, tokenizer = models
     # Block differs from token verification from two drafts on (one draft: the same rule).

@@ -6,7 +6,7 @@ Running the whole loop 20,000 times is out of reach on a CPU, and unnecessary: w
 5 first tokens, and the draft paths below them). Their target and draft logit rows are
 computed by the real model once, then many requests take the speculative steps together
 through the loop's own pieces (:class:`NgramDrafter`, ``sk.sample`` for the draft model's
-drafts, the engine's ``_verify``) until each has two tokens. Rows are restricted to the
+drafts, the loop's ``verify_step``) until each has two tokens. Rows are restricted to the
 union of every row's top 5 and the drafted ids: top-k = 5 over that sub-vocabulary is the
 same distribution as over the full one, so the law is unchanged.
 """
@@ -19,9 +19,11 @@ import torch
 
 import specdec_kernels as sk
 
-from .drafters import DRAFT_SEED, NgramDrafter, _chain_plan
-from .engine import Sampling, Speculation, _prefill, _verify, pack_chain_rows
-from .model import SlotCache, forward_block
+from .config import Sampling, Speculation
+from .drafters import DRAFT_SEED, NgramDrafter
+from .model import SlotCache, forward_block, prefill
+from .plans import chain_plan
+from .verify import pack_chain_rows, verify_step
 
 TOP_K = 5
 
@@ -40,7 +42,7 @@ def _rows(model, prompt: tuple[int, ...], prefixes) -> dict:
                 tokens.append(suffix[end - 1])
                 parents.append(nodes[suffix[:end - 1]])
     cache = SlotCache(1, len(prompt) + len(tokens) + 1)
-    _prefill(model, cache, [list(prompt)], device)
+    prefill(model, cache, [list(prompt)], device)
     tree = sk.build_tree_attention(torch.tensor([parents], device=device))
     logits = forward_block(model, cache, torch.tensor([tokens], device=device),
                            torch.tensor([len(prompt) - 1], device=device), tree.mask,
@@ -143,8 +145,8 @@ def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: i
         base = len(prefixes[b])
         for j in range(int(num_draft[b]) + 1):
             logits[b, j] = table.target[tuple(paths[b][:base + j])]
-    plan = _chain_plan(drafts, num_draft, draft_logits)
-    out, num_accepted, _ = _verify(pack_chain_rows(logits, num_draft + 1), plan, None,
+    plan = chain_plan(drafts, num_draft, draft_logits)
+    out, num_accepted, _ = verify_step(pack_chain_rows(logits, num_draft + 1), plan, None,
                                    torch.zeros(batch, dtype=torch.long), sampling,
                                    Speculation(method=method), seeds,
                                    torch.full((batch,), offset, dtype=torch.long), planted_bug)

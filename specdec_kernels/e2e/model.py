@@ -405,3 +405,17 @@ def chain_visibility(batch: int, n: int, device) -> tuple[torch.Tensor, torch.Te
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     depth = torch.arange(n, device=device)
     return causal.expand(batch, n, n), depth.expand(batch, n)
+
+
+def prefill(model, cache: SlotCache, prompts: list[list[int]], device) -> torch.Tensor:
+    """Write each prompt but its last token; returns kv_lens (that token becomes pending)."""
+    lengths = [len(p) - 1 for p in prompts]
+    width = max(max(lengths), 1)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p) - 1] = torch.tensor(p[:-1], dtype=torch.long)
+    kv_lens = torch.zeros(len(prompts), dtype=torch.long, device=device)
+    visible, depth = chain_visibility(len(prompts), width, device)
+    forward_block(model, cache, tokens, kv_lens, visible, depth,
+                  rows=torch.zeros(len(prompts), 1, dtype=torch.long, device=device))
+    return torch.tensor(lengths, dtype=torch.long, device=device)
