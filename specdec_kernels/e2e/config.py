@@ -3,6 +3,7 @@ settings, per-run statistics (with the per-step profile) and the result."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -39,7 +40,10 @@ class Speculation:
     acceptance and the measured step costs, at most ``max_draft_tokens``). ``tree``:
     children per depth (e.g. ``(2, 2, 1)``) for a draft-model tree, with ``children``
     ``"top_k"`` (deterministic), ``"iid"`` or ``"without_replacement"`` (sampled from the
-    draft's ``q``)."""
+    draft's ``q``). ``trie_nodes``: with ``drafter="ngram"``, draft a trie of at most that
+    many nodes merging the continuations of several earlier matches (depth at most
+    ``num_draft_tokens``, :class:`~.drafters.NgramTrieDrafter`), verified as a tree with
+    deterministic candidates; ``0``: one chain."""
     drafter: str = "none"
     num_draft_tokens: Union[int, str] = 4
     tree: Optional[tuple[int, ...]] = None
@@ -47,10 +51,44 @@ class Speculation:
     method: str = DEFAULT_METHOD
     max_draft_tokens: int = 16
     ngram_max: int = 3
+    trie_nodes: int = 0
 
     @property
     def adaptive(self) -> bool:
         return self.num_draft_tokens == "adaptive"
+
+    @property
+    def trie(self) -> bool:
+        return self.drafter == "ngram" and self.trie_nodes > 0
+
+
+# Where a run's wall time goes (Stats.profile, seconds). "forward": the target's verify /
+# decode forward without the two below; "masks": its attention masks and position ids;
+# "cache_writes": the new K/V scattered into the SlotCache; "verify_op": sk.verify_chain_packed
+# / sk.verify_tree / sk.sample / the greedy arg-max; "compaction": sk.compact_kv_cache and
+# dropping finished requests' cache rows; "drafting": the drafter (lookups, plans, a draft
+# model's forwards, its commits); "policy": the adaptive length's choice and bookkeeping;
+# "prefill": the target's prompt prefill; "python": the rest of the loop (token lists,
+# stopping, statistics).
+PHASES = ("forward", "masks", "cache_writes", "verify_op", "compaction", "drafting", "policy",
+          "prefill", "python")
+
+
+class PhaseClock:
+    """Charges the time since the previous lap to a phase of ``seconds``."""
+
+    def __init__(self, seconds: dict):
+        self.seconds = seconds
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
+
+    def skip(self) -> None:
+        """The time since the last lap was charged elsewhere (a callee's own profile)."""
+        self.last = time.perf_counter()
 
 
 @dataclass
@@ -66,6 +104,13 @@ class Stats:
     drafted_at: list = field(default_factory=list)   # [depth] drafted count
     accepted_at: list = field(default_factory=list)  # [depth] accepted count
     latency_s: list = field(default_factory=list)    # per request, from the batch's start
+    profile: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # seconds
+
+    def profile_ms_per_step(self) -> dict:
+        """Each phase's milliseconds per step (the prefill's spread over the steps too): they
+        add up to the wall time per step."""
+        steps = max(self.steps, 1)
+        return {phase: round(1e3 * s / steps, 3) for phase, s in self.profile.items()}
 
     def position(self, depth: int, drafted: int, accepted: int) -> None:
         while len(self.drafted_at) <= depth:
@@ -89,6 +134,8 @@ class Stats:
         for depth, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at)):
             self.position(depth, d, a)
         self.latency_s.extend(other.latency_s)
+        for phase, seconds in other.profile.items():
+            self.profile[phase] = self.profile.get(phase, 0.0) + seconds
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Drafters: n-gram prompt lookup (deterministic, one-hot ``q``) and a draft model (any causal
-LM with the target's tokenizer) drafting chains and trees with its real ``q``."""
+"""Drafters: n-gram prompt lookup (deterministic, one-hot ``q``) as a chain or as a trie of
+several matches' continuations, and a draft model (any causal LM with the target's
+tokenizer) drafting chains and trees with its real ``q``."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -10,7 +11,7 @@ import torch
 import specdec_kernels as sk
 
 from .model import SlotCache, chain_visibility, forward_block, prefill
-from .plans import DraftPlan, TreeShape, chain_plan
+from .plans import DraftPlan, TreeShape, chain_plan, deterministic_tree_plan
 
 DRAFT_SEED = 0x5EED_D4AF7  # the drafter's sample stream is keyed by seed + this
 NODE_OFFSETS = 1 << 10     # Philox offsets per step for the drafter's nodes
@@ -47,6 +48,74 @@ class NgramDrafter:
             tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         num_draft = torch.tensor([len(p) for p in proposals], dtype=torch.long)
         return chain_plan(tokens.to(device), num_draft.to(device))
+
+
+def match_starts(history: Sequence[int], ngram_max: int, limit: int) -> list[int]:
+    """Where the continuations of the earlier matches of the history's suffix start: for
+    ``n = ngram_max .. 1``, every earlier occurrence of the last ``n`` tokens, most recent
+    first, each position once (an ``n``-gram match is also an ``(n-1)``-gram one), at most
+    ``limit``. The first is :meth:`NgramDrafter.propose`'s."""
+    if len(history) < 2 or limit <= 0:
+        return []
+    tokens = np.asarray(history, dtype=np.int64)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    starts: list[int] = []
+    seen: set = set()
+    for n in range(min(ngram_max, len(tokens) - 1), 0, -1):
+        hits = ends[ends >= n - 1]
+        for back in range(1, n):
+            hits = hits[tokens[hits - back] == tokens[-1 - back]]
+        for end in hits[::-1].tolist():
+            if end not in seen:
+                seen.add(end)
+                starts.append(end + 1)
+                if len(starts) >= limit:
+                    return starts
+    return starts
+
+
+class NgramTrieDrafter:
+    """Prompt lookup as a trie: the continuations (at most ``max_depth`` tokens) of the
+    earlier matches of the recent suffix (:func:`match_starts`: longest ``n`` first, then
+    most recent) merged into one tree, nodes added in that order until ``max_nodes`` draft
+    nodes. Its first path is the chain drafter's proposal, so greedy decoding accepts at
+    least what the chain would; siblings are distinct tokens, earlier matches first (the
+    order ``sk.verify_tree`` tries deterministic candidates in)."""
+
+    def __init__(self, ngram_max: int = 3, max_nodes: int = 16, max_depth: int = 8):
+        if max_nodes < 1 or max_depth < 1:
+            raise ValueError(f"trie_nodes / num_draft_tokens: expected >= 1, got "
+                             f"{max_nodes} / {max_depth}")
+        self.ngram_max, self.max_nodes, self.max_depth = ngram_max, max_nodes, max_depth
+
+    def trie(self, history: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(tokens, parents) with the root (the last history token) as node 0."""
+        tokens, parents = [int(history[-1]) if history else -1], [-1]
+        children: list[dict] = [{}]
+        # Each match adds at least one node or repeats a path: a few more than the budget.
+        for start in match_starts(history, self.ngram_max, 4 * self.max_nodes):
+            node = 0
+            for token in history[start:start + self.max_depth]:
+                child = children[node].get(token)
+                if child is None:
+                    if len(tokens) > self.max_nodes:
+                        return tokens, parents
+                    child = len(tokens)
+                    children[node][token] = child
+                    children.append({})
+                    tokens.append(int(token))
+                    parents.append(node)
+                node = child
+            if len(tokens) > self.max_nodes:
+                break
+        return tokens, parents
+
+    def plan(self, histories: Sequence[Sequence[int]], kv_lens) -> Optional[DraftPlan]:
+        """One trie per request (``None``: no request has a match)."""
+        tries = [self.trie(h) for h in histories]
+        if all(len(t) == 1 for t, _ in tries):
+            return None
+        return deterministic_tree_plan(tries, kv_lens)
 
 
 class ModelDrafter:

@@ -26,11 +26,11 @@ import torch
 import specdec_kernels as sk
 
 from .adaptive import AdaptiveLength
-from .config import Request, Result, Sampling, Speculation, Stats, tree_size
-from .drafters import ModelDrafter, NgramDrafter
+from .config import PhaseClock, Request, Result, Sampling, Speculation, Stats, tree_size
+from .drafters import ModelDrafter, NgramDrafter, NgramTrieDrafter
 from .model import SlotCache, chain_visibility, forward_block, prefill
 from .plans import DraftPlan
-from .verify import verify_step
+from .verify import unpack_rows, verify_step
 
 
 def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(),
@@ -46,16 +46,22 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
     spec = speculation
     if spec.drafter not in ("none", "ngram", "model"):
         raise ValueError(f"drafter: expected 'none', 'ngram' or 'model', got {spec.drafter!r}")
-    if spec.adaptive and spec.tree:
-        raise ValueError(f"num_draft_tokens: 'adaptive' is for chains; a tree's shape is "
-                         f"fixed (tree={spec.tree})")
+    if spec.adaptive and (spec.tree or spec.trie):
+        raise ValueError(f"num_draft_tokens: 'adaptive' is for chains; got a tree "
+                         f"(tree={spec.tree}, trie_nodes={spec.trie_nodes})")
+    if spec.trie_nodes and (spec.drafter != "ngram" or spec.tree):
+        raise ValueError(f"trie_nodes: an n-gram trie needs drafter='ngram' and no tree, got "
+                         f"drafter={spec.drafter!r}, tree={spec.tree}")
     batch = len(requests)
     max_nodes = _max_nodes(spec)
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + max_nodes + 2
     stats = Stats()
+    profile = stats.profile
     start, cpu_start = time.perf_counter(), time.process_time()
+    clock = PhaseClock(profile)
     cache = SlotCache(batch, capacity)
     kv_lens = prefill(target, cache, [r.prompt for r in requests], device)
+    clock.lap("prefill")
     pending = torch.tensor([r.prompt[-1] for r in requests], dtype=torch.long, device=device)
     history = [list(r.prompt) for r in requests]
     generated: list[list[int]] = [[] for _ in requests]
@@ -63,15 +69,18 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
     steps = [0] * batch                 # per request: verify calls so far (the Philox offset)
     seeds = torch.tensor([r.seed for r in requests], dtype=torch.long)
     drafter = None
-    t0 = time.perf_counter()
-    if spec.drafter == "ngram":
+    clock.lap("python")
+    if spec.trie:
+        drafter = NgramTrieDrafter(spec.ngram_max, spec.trie_nodes,
+                                   int(spec.num_draft_tokens))
+    elif spec.drafter == "ngram":
         drafter = NgramDrafter(spec.ngram_max)
     elif spec.drafter == "model":
         if draft_model is None:
             raise ValueError("draft_model: expected a model for drafter='model', got None")
         drafter = ModelDrafter(draft_model, [r.prompt for r in requests], capacity, device,
                                sampling, spec, seed=requests[0].seed)
-    stats.draft_s += time.perf_counter() - t0  # the draft model's prefill
+    clock.lap("drafting")  # the draft model's prefill
     # A draft model pays a forward per draft level: its probes draft one token.
     model_drafts = spec.drafter == "model"
     adaptive = (AdaptiveLength(batch, spec.max_draft_tokens, calibrate=True,
@@ -80,42 +89,59 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
                 if spec.adaptive else None)
     latency = [0.0] * batch
     kept = [None] * batch
+    sample_kwargs = sampling.kwargs()
+    plain_visible, plain_depth = chain_visibility(batch, 1, device)
 
     while live:
-        step_seeds = seeds[live].to(device)
-        offsets = torch.tensor([steps[i] for i in live], dtype=torch.long, device=device)
-        t0 = time.perf_counter()
+        if sampling.greedy and drafter is None:  # plain greedy decoding draws nothing
+            step_seeds = offsets = None
+        else:
+            step_seeds = seeds[live].to(device)
+            offsets = torch.tensor([steps[i] for i in live], dtype=torch.long, device=device)
+        clock.lap("python")
         plan = _plan(spec, drafter, adaptive, history, live, pending, kv_lens, step_seeds,
-                     offsets, sampling)
+                     offsets, clock)
         if plan is None and drafter is not None and hasattr(drafter, "skip"):
             drafter.skip(pending)
-        t1 = time.perf_counter()
-        commit_s = 0.0
+        clock.lap("drafting")
+        draft_seconds = profile["drafting"]
+        verify_start = time.perf_counter()
         if plan is None:  # plain decoding
-            visible, depth = chain_visibility(len(live), 1, device)
-            logits = forward_block(target, cache, pending[:, None], kv_lens, visible, depth)
+            logits = forward_block(target, cache, pending[:, None], kv_lens,
+                                   plain_visible[:len(live)], plain_depth[:len(live)],
+                                   profile=profile)
+            clock.skip()
             if sampling.greedy:  # what sk.sample returns at temperature 0, without its pass
                 emitted = logits[:, 0].argmax(-1)
             else:
                 emitted = sk.sample(logits[:, 0], seed=step_seeds, offset=offsets,
-                                    **sampling.kwargs())
-            out = emitted[:, None].to(torch.long)
+                                    **sample_kwargs)
+            clock.lap("verify_op")
+            out = emitted[:, None]
             num_accepted = torch.zeros(len(live), dtype=torch.long, device=device)
             new_kv_lens = kv_lens + 1
         else:
             nodes = torch.cat([pending[:, None], plan.tokens.clamp_min(0)], 1)
-            # A chain's forward is packed: request b's num_draft[b] + 1 rows only.
+            clock.lap("python")
+            # A chain's forward is packed: request b's num_draft[b] + 1 rows only; so is a
+            # trie's (its num_nodes[b] real nodes come first).
+            lengths = (plan.num_draft + 1 if not plan.is_tree
+                       else plan.num_nodes if plan.depths is not None else None)
             logits = forward_block(target, cache, nodes, kv_lens, plan.visible, plan.depth,
-                                   lengths=None if plan.is_tree else plan.num_draft + 1)
-            out, num_accepted, new_kv_lens = verify_step(logits, plan, cache, kv_lens, sampling,
-                                                     spec, step_seeds, offsets, planted_bug)
+                                   lengths=lengths, profile=profile)
+            clock.skip()
+            if plan.is_tree and lengths is not None:  # verify_tree reads [B, N, V]
+                logits = unpack_rows(logits, lengths, nodes.shape[1])
+                clock.lap("python")
+            out, num_accepted, new_kv_lens = verify_step(
+                logits, plan, cache, kv_lens, sampling, spec, step_seeds, offsets, planted_bug,
+                profile)
+            clock.skip()
             if drafter is not None and hasattr(drafter, "commit"):
-                t_commit = time.perf_counter()
                 drafter.commit(plan, kv_lens, num_accepted, out)
-                commit_s = time.perf_counter() - t_commit
-        t2 = time.perf_counter()
-        stats.draft_s += t1 - t0 + commit_s
-        stats.verify_s += t2 - t1 - commit_s
+                clock.lap("drafting")
+        verify_end = time.perf_counter()
+        commit_s = profile["drafting"] - draft_seconds
         stats.steps += 1
         counts = (num_accepted + 1).tolist()
         out_list = out.tolist()
@@ -128,8 +154,6 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
             if plan is not None:
                 for depth_index, drafted in enumerate(plan.drafted_by_depth(row)):
                     stats.position(depth_index, drafted, int(accepted_list[row] > depth_index))
-                if adaptive is not None:
-                    adaptive.observe(row, plan.num_drafted(row), accepted_list[row])
             new = out_list[row][:counts[row]]
             request = requests[i]
             done = False
@@ -143,14 +167,21 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
             if done:
                 finished_rows.append(row)
                 latency[i] = time.perf_counter() - start
-        if adaptive is not None and plan is not None:
-            adaptive.observe_cost(int(plan.num_draft.sum()) + len(live), t2 - t1 - commit_s,
-                                  t1 - t0 + commit_s, int(plan.num_draft.max()))
-        elif adaptive is not None:
-            adaptive.observe_cost(len(live), t2 - t1)
+        clock.lap("python")
+        if adaptive is not None:
+            if plan is not None:
+                for row in range(len(live)):
+                    adaptive.observe(row, plan.num_drafted(row), accepted_list[row])
+                adaptive.observe_cost(int(plan.num_draft.sum()) + len(live),
+                                      verify_end - verify_start - commit_s,
+                                      draft_seconds + commit_s, int(plan.num_draft.max()))
+            else:
+                adaptive.observe_cost(len(live), verify_end - verify_start)
+            clock.lap("policy")
         pending = out.gather(1, num_accepted[:, None]).squeeze(1).to(torch.long)
         kv_lens = new_kv_lens.to(torch.long)
         if finished_rows:
+            clock.lap("python")
             if keep_cache:
                 for row in finished_rows:  # positions past the stop were never emitted
                     i = live[row]
@@ -161,15 +192,20 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
                 rows = torch.tensor(keep, dtype=torch.long, device=device)
                 cache.select(rows)
                 kv_lens, pending = kv_lens[rows], pending[rows]
+                clock.lap("compaction")
                 if drafter is not None and hasattr(drafter, "select"):
-                    t_select = time.perf_counter()
                     drafter.select(rows)
-                    stats.draft_s += time.perf_counter() - t_select
+                    clock.lap("drafting")
                 if adaptive is not None:
                     adaptive.select(keep)
+                    clock.lap("policy")
             live = [live[r] for r in keep]
+    clock.lap("python")
     stats.wall_s = time.perf_counter() - start
     stats.cpu_s = time.process_time() - cpu_start
+    stats.draft_s = profile["drafting"]
+    stats.verify_s = sum(profile[p] for p in ("forward", "masks", "cache_writes", "verify_op",
+                                                "compaction"))
     stats.tokens = sum(len(g) for g in generated)
     stats.latency_s = latency
     return Result(generated, stats, kept if keep_cache else None)
@@ -197,22 +233,28 @@ def _max_nodes(spec: Speculation) -> int:
         return 1
     if spec.tree:
         return tree_size(spec.tree)
+    if spec.trie:
+        return spec.trie_nodes + 1
     k = spec.max_draft_tokens if spec.adaptive else int(spec.num_draft_tokens)
     return k + 1
 
 
 def _plan(spec, drafter, adaptive, history, live, pending, kv_lens, seeds, offsets,
-          sampling) -> Optional[DraftPlan]:
+          clock: PhaseClock) -> Optional[DraftPlan]:
     if drafter is None:
         return None
     if spec.tree:
         return drafter.draft_tree(spec.tree, kv_lens, pending, seeds, offsets)
+    if spec.trie:
+        return drafter.plan([history[i] for i in live], kv_lens)
     cap = spec.max_draft_tokens if adaptive is not None else int(spec.num_draft_tokens)
     ngram = isinstance(drafter, NgramDrafter)
     proposals = ([drafter.propose(history[i], cap) for i in live] if ngram else None)
     if adaptive is not None:
         available = [len(p) for p in proposals] if ngram else [cap] * len(live)
+        clock.lap("drafting")
         lengths = adaptive.choose(available)
+        clock.lap("policy")
     else:
         lengths = [cap] * len(live)
     if ngram:

@@ -3,7 +3,10 @@
 installed ops accept."""
 from __future__ import annotations
 
+import functools
 import inspect
+import time
+from typing import Optional
 
 import torch
 
@@ -16,6 +19,7 @@ from .plans import DraftPlan
 METHOD_CANDIDATES = ("token", "block", "traversal")
 
 
+@functools.lru_cache(maxsize=None)
 def takes_method(op) -> bool:
     return "method" in inspect.signature(op).parameters
 
@@ -69,10 +73,23 @@ def pack_chain_rows(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return rows[valid]
 
 
-def verify_step(logits, plan: DraftPlan, cache: SlotCache, kv_lens, sampling: Sampling,
-            spec: Speculation, seeds, offsets, planted_bug):
+def unpack_rows(packed: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """The inverse of :func:`pack_chain_rows`: ``[sum(lengths), ...]`` -> ``[B, width, ...]``
+    (zeros past each request's ``lengths[b]`` rows)."""
+    valid = torch.arange(width, device=packed.device)[None, :] < lengths[:, None]
+    out = packed.new_zeros((lengths.numel(), width) + tuple(packed.shape[1:]))
+    out[valid] = packed
+    return out
+
+
+def verify_step(logits, plan: DraftPlan, cache: Optional[SlotCache], kv_lens,
+                sampling: Sampling, spec: Speculation, seeds, offsets,
+                planted_bug: Optional[str] = None, profile: Optional[dict] = None):
     """(output_token_ids, num_accepted, new kv_lens). ``logits``: a tree's ``[B, N, V]``;
-    a chain's packed rows ``[sum(num_draft + 1), V]`` (``verify_chain_packed``)."""
+    a chain's packed rows ``[sum(num_draft + 1), V]`` (``verify_chain_packed``); a tree's
+    accepted path is compacted in ``cache``. ``profile``: adds ``verify_op`` and
+    ``compaction`` seconds (:data:`~.config.PHASES`)."""
+    start = time.perf_counter()
     params = sampling.kwargs()
     if planted_bug == "rows_one_late" and not plan.is_tree:
         # Planted: draft j is checked against row j + 1, as if row 0 were the first draft's
@@ -88,8 +105,13 @@ def verify_step(logits, plan: DraftPlan, cache: SlotCache, kv_lens, sampling: Sa
                              num_nodes=plan.num_nodes, seed=seeds, offset=offsets, **params,
                              **method_kwargs(sk.verify_tree, spec.method))
         plan.accepted_nodes = out.accepted_nodes
-        new_kv_lens = sk.compact_kv_cache(cache.tensors(), kv_lens, out.accepted_nodes,
-                                          out.num_accepted, layout="bhsd")
+        verified = time.perf_counter()
+        new_kv_lens = (kv_lens + out.num_accepted + 1 if cache is None else  # no cache:
+                       sk.compact_kv_cache(cache.tensors(), kv_lens, out.accepted_nodes,
+                                           out.num_accepted, layout="bhsd"))  # a law check
+        if profile is not None:
+            profile["verify_op"] += verified - start
+            profile["compaction"] += time.perf_counter() - verified
         return out.output_token_ids, out.num_accepted.to(torch.long), new_kv_lens
     num_draft = plan.num_draft.to(torch.long)
     cu = torch.zeros(num_draft.numel() + 1, dtype=torch.long, device=num_draft.device)
@@ -102,5 +124,7 @@ def verify_step(logits, plan: DraftPlan, cache: SlotCache, kv_lens, sampling: Sa
                                  **params, **method_kwargs(sk.verify_chain_packed,
                                                             spec.method))
     num_accepted = out.num_accepted.to(torch.long)
+    if profile is not None:
+        profile["verify_op"] += time.perf_counter() - start
     # A chain's accepted path is nodes 0..num_accepted: already in place, nothing to move.
     return out.output_token_ids, num_accepted, kv_lens + num_accepted + 1
