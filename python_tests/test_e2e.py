@@ -193,6 +193,11 @@ def test_adaptive_trees_are_rejected(models, requests):
     with pytest.raises(ValueError, match="num_draft_tokens"):
         generate(model, requests, Sampling(), Speculation("model", "adaptive", tree=(2, 1)),
                  draft_model=draft)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        generate(model, requests, Sampling(), Speculation("ngram", "adaptive", trie_nodes=8))
+    with pytest.raises(ValueError, match="trie_nodes"):
+        generate(model, requests, Sampling(), Speculation("model", 2, trie_nodes=8),
+                 draft_model=draft)
 
 
 def test_verify_methods_include_token():
@@ -209,7 +214,8 @@ def test_greedy_speculation_equals_plain_decoding(models, requests):
     specs = [Speculation("ngram", 3), Speculation("ngram", "adaptive", max_draft_tokens=4),
              Speculation("model", 2), Speculation("model", "adaptive", max_draft_tokens=3),
              Speculation("model", 0, tree=(2, 1)),
-             Speculation("model", 0, tree=(2, 1), children="without_replacement")]
+             Speculation("model", 0, tree=(2, 1), children="without_replacement"),
+             Speculation("ngram", 4, trie_nodes=6)]
     for spec in specs:
         for method in methods_for(spec):
             result = generate(model, requests, Sampling(), replace(spec, method=method),
@@ -224,6 +230,7 @@ def test_greedy_speculation_equals_plain_decoding(models, requests):
 def test_committed_cache_equals_recomputation(models, requests):
     model, draft, tokenizer = models
     for spec in (Speculation("model", 0, tree=(2, 2)), Speculation("ngram", 4),
+                 Speculation("ngram", 4, trie_nodes=6),
                  Speculation("model", 0, tree=(2, 2), children="without_replacement",
                              method="traversal")):
         result = generate(model, requests, Sampling(1.0, top_k=20), spec, draft_model=draft,
@@ -234,11 +241,12 @@ def test_committed_cache_equals_recomputation(models, requests):
 
 
 @pytest.mark.parametrize("drafter,method", [("ngram", "token"), ("model", "token"),
-                                            ("model", "block")])
+                                            ("model", "block"), ("ngram_trie", "token")])
 def test_first_two_tokens_law(models, drafter, method):
     """20,000 speculative requests; alpha = 1e-3; the reported distance is what the test
     detects with power 0.99. Block verification with the draft model's real q (with an
-    n-gram's one-hot q it is the token law)."""
+    n-gram's one-hot q it is the token law); the n-gram trie as deterministic candidates
+    (its root has several children on this prompt)."""
     from specdec_kernels.e2e.exactness import first_two_tokens_test
     from specdec_kernels.e2e.tasks import encode
     if method not in verify_methods("chain"):
@@ -250,14 +258,17 @@ def test_first_two_tokens_law(models, drafter, method):
                                    num_draft=2 if method == "block" else None)
     assert result["passed"], result
     assert result["detectable_distance"] < 0.01
+    if drafter == "ngram_trie":
+        assert result["root_candidates"] >= 2, result
 
 
-def test_first_two_tokens_law_catches_a_planted_bug(models):
+@pytest.mark.parametrize("drafter", ["ngram", "ngram_trie"])
+def test_first_two_tokens_law_catches_a_planted_bug(models, drafter):
     from specdec_kernels.e2e.exactness import first_two_tokens_test
     from specdec_kernels.e2e.tasks import encode
     model, draft, tokenizer = models
     result = first_two_tokens_test(model, draft, encode(tokenizer, EXACTNESS_PROMPT),
-                                   drafter="ngram", samples=20000, planted_bug="rows_one_late")
+                                   drafter=drafter, samples=20000, planted_bug="rows_one_late")
     assert not result["passed"], result
 
 
@@ -294,3 +305,125 @@ def test_small_row_linear_equals_f_linear_and_is_undone():
             assert torch.allclose(model(x), expected, atol=1e-5), x.shape
         use_small_row_linear(model, enable=False)
         assert not any("forward" in m.__dict__ for m in model)
+
+
+def _trie_by_definition(history, ngram_max, max_nodes, max_depth):
+    """The n-gram trie by brute force: the earlier occurrences of the last n tokens
+    (n = ngram_max .. 1, most recent first, each position once, the first 4 * max_nodes),
+    their continuations of up to max_depth tokens inserted in that order as paths from the
+    root, no node past the budget."""
+    starts, seen = [], set()
+    for n in range(min(ngram_max, len(history) - 1), 0, -1):
+        for end in range(len(history) - 2, n - 2, -1):
+            if history[end - n + 1:end + 1] == history[-n:] and end not in seen:
+                seen.add(end)
+                starts.append(end + 1)
+    nodes, tokens, parents = {(): 0}, [history[-1]], [-1]
+    for start in starts[:4 * max_nodes]:
+        continuation = history[start:start + max_depth]
+        for d in range(1, len(continuation) + 1):
+            path = tuple(continuation[:d])
+            if path not in nodes:
+                if len(tokens) - 1 >= max_nodes:
+                    return tokens, parents
+                nodes[path] = len(tokens)
+                tokens.append(continuation[d - 1])
+                parents.append(nodes[path[:-1]])
+    return tokens, parents
+
+
+def test_ngram_trie_equals_the_definition_on_random_histories():
+    import random
+    from specdec_kernels.e2e.drafters import NgramTrieDrafter, match_starts
+    rng, chain = random.Random(1), NgramDrafter(ngram_max=3)
+    for _ in range(1500):
+        alphabet = rng.choice([2, 3, 5, 20])
+        history = [rng.randrange(alphabet) for _ in range(rng.randint(2, 40))]
+        nodes, depth = rng.randint(1, 12), rng.randint(1, 6)
+        trie = NgramTrieDrafter(3, nodes, depth)
+        tokens, parents = trie.trie(history)
+        assert (tokens, parents) == _trie_by_definition(history, 3, nodes, depth)
+        assert len(tokens) - 1 <= nodes and all(0 <= p < i for i, p in
+                                                enumerate(parents) if i)
+        # siblings are distinct; the first path is the chain drafter's proposal
+        assert len({(p, t) for p, t in zip(parents[1:], tokens[1:])}) == len(tokens) - 1
+        starts = match_starts(history, 3, 4 * nodes)
+        first = history[starts[0]:starts[0] + depth] if starts else []
+        assert first == chain.propose(history, depth)
+        assert tokens[1:1 + min(len(first), nodes)] == first[:nodes]
+
+
+def test_trie_plan_and_row_packing():
+    from specdec_kernels.e2e.plans import deterministic_tree_plan
+    from specdec_kernels.e2e.verify import pack_chain_rows, unpack_rows
+    trees = [([9, 5, 6, 7], [-1, 0, 1, 0]), ([3], [-1]), ([4, 8], [-1, 0])]
+    plan = deterministic_tree_plan(trees, torch.tensor([10, 3, 7]))
+    assert plan.is_tree and plan.num_nodes.tolist() == [4, 1, 2]
+    assert plan.tree_tokens().tolist() == [[-1, 5, 6, 7], [-1, -1, -1, -1], [-1, 8, -1, -1]]
+    assert plan.depths == [2, 0, 1] and plan.tree_depth == 2
+    assert plan.depth[0].tolist() == [0, 1, 2, 1]
+    assert plan.visible[0, 2].tolist() == [True, True, True, False]  # node 2's ancestors
+    rows = torch.arange(3 * 4 * 2, dtype=torch.float32).reshape(3, 4, 2)
+    packed = pack_chain_rows(rows, plan.num_nodes)
+    assert packed.shape == (7, 2)
+    unpacked = unpack_rows(packed, plan.num_nodes, 4)
+    for b, n in enumerate(plan.num_nodes.tolist()):
+        assert torch.equal(unpacked[b, :n], rows[b, :n]) and not unpacked[b, n:].any()
+
+
+def test_e2e_modules_import_no_private_names_and_no_cycles():
+    """The restructure (#27): what two modules share is a public name of the lower one, and
+    the package's modules import each other without a cycle."""
+    import ast
+    from pathlib import Path
+    import specdec_kernels.e2e as package
+    folder = Path(package.__file__).parent
+    graph = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps.add(node.module)
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, (path.name, node.module, private)
+        graph[path.stem] = deps
+    done, active = set(), []
+
+    def visit(module):
+        assert module not in active, f"import cycle: {' -> '.join(active + [module])}"
+        if module in done:
+            return
+        active.append(module)
+        for dep in graph.get(module, ()):
+            visit(dep)
+        active.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+    assert max(len(p.read_text().splitlines()) for p in folder.glob("*.py")) <= 450
+
+
+def test_profile_accounts_for_the_wall_time(models, requests):
+    from specdec_kernels.e2e.config import PHASES, Stats
+    model, _, tokenizer = models
+    eos = tokenizer.eos_token_id
+    plain = generate(model, requests[:1], eos_token_id=eos).stats
+    trie = generate(model, requests[:2], Sampling(),
+                    Speculation("ngram", 4, trie_nodes=6), eos_token_id=eos).stats
+    for stats in (plain, trie):
+        assert set(stats.profile) == set(PHASES)
+        assert min(stats.profile.values()) >= 0
+        assert sum(stats.profile.values()) == pytest.approx(stats.wall_s, rel=0.02)
+        assert stats.profile["forward"] > stats.profile["masks"]
+        per_step = stats.profile_ms_per_step()
+        assert sum(per_step.values()) == pytest.approx(1e3 * stats.wall_s / stats.steps,
+                                                       rel=0.02)
+    assert plain.profile["drafting"] < 0.01 * plain.wall_s
+    assert trie.profile["verify_op"] > 0 and trie.profile["compaction"] > 0
+    merged = Stats()
+    merged.merge(plain)
+    merged.merge(trie)
+    assert merged.profile["forward"] == pytest.approx(plain.profile["forward"]
+                                                      + trie.profile["forward"])

@@ -43,7 +43,8 @@ class AdaptiveLength:
     def __init__(self, batch: int, max_len: int, *, decay: float = 0.95, probe_every: int = 4,
                  probe_length: int = 4, row_exponent: float = 0.4,
                  draft_cost_per_level: bool = True, prior: Optional[float] = None,
-                 calibrate: bool = False):
+                 calibrate: bool = False, contexts: bool = True, interpolate: bool = True,
+                 shared_probes: bool = True):
         self.max_len, self.decay, self.probe_every = max_len, decay, probe_every
         self.probe_length = probe_length  # a probe drafts this many (when the drafter has
         # them): one that accepts teaches the rates of the later positions too
@@ -51,14 +52,18 @@ class AdaptiveLength:
         # for a batch (1/6 at 16), whose verify steps are compute-bound, so that a wasted
         # row costs more: a large batch starts near plain decoding and drafts where its
         # probes find agreement.
-        self.prior = 0.5 / (1 + math.log2(batch) / 2) if prior is None else prior
+        self.fixed_prior = prior
         self.calibrate = calibrate  # first a plain step: the cost every choice is relative to
-        self.successes = [[0.0] * max_len for _ in range(batch)]  # [request][position]
-        self.trials = [[0.0] * max_len for _ in range(batch)]
-        self.idle = [0] * batch
+        # Contexts: what the drafter knows of a proposal (an n-gram's: how long its match
+        # is, :func:`match_context`); rates are also counted per context over the batch,
+        # with the request's own rates as their prior, so a long match drafts long.
+        self.use_contexts = contexts
+        self.interpolate = interpolate
+        self.shared_probes = shared_probes
+        self.probe_trials = self.probe_successes = 0.0  # over the batch, decayed
+        self.context_successes: dict = {}  # context -> [position]
+        self.context_trials: dict = {}
         self.clock = 0  # choices made: probes fall on every probe_every-th
-        self.gap = [probe_every] * batch
-        self.probing = [False] * batch
         self.row_exponent = row_exponent  # before two row counts are measured
         self.draft_cost_per_level = draft_cost_per_level
         self.samples: list[tuple[int, float]] = []   # recent (rows, seconds)
@@ -66,6 +71,25 @@ class AdaptiveLength:
         self.step_seconds: dict[int, float] = {}     # rows -> decayed mean seconds
         self.step_count: dict[int, int] = {}
         self.draft_level_seconds = 0.0
+        self.batch = 0
+        self.start(batch)
+
+    def start(self, batch: int) -> None:
+        """A new batch of requests: their own state starts afresh, while what was learnt of
+        the drafter's contexts and the step costs is kept (a policy that lives across
+        calls, as a server's would; the costs only while the batch size stays)."""
+        self.prior = (0.5 / (1 + math.log2(batch) / 2) if self.fixed_prior is None
+                      else self.fixed_prior)
+        self.successes = [[0.0] * self.max_len for _ in range(batch)]  # [request][position]
+        self.trials = [[0.0] * self.max_len for _ in range(batch)]
+        self.context = [None] * batch  # of each request's last choice
+        self.idle = [0] * batch
+        self.gap = [self.probe_every] * batch
+        self.probing = [False] * batch
+        if batch != self.batch:
+            self.samples, self._fit = [], None
+            self.step_seconds, self.step_count = {}, {}
+        self.batch = batch
 
     def batch_rates(self) -> list[float]:
         """The whole batch's rate at each position (position 1's prior ``prior``, position
@@ -82,8 +106,13 @@ class AdaptiveLength:
         """``a_1 .. a_max`` of request ``b``: its counts, with the batch's rates as the prior
         (weight 2)."""
         prior = self.batch_rates() if batch_rates is None else batch_rates
-        return [min((s + 2.0 * p) / (t + 2.0), 0.99)
-                for s, t, p in zip(self.successes[b], self.trials[b], prior)]
+        overall = [min((s + 2.0 * p) / (t + 2.0), 0.99)
+                   for s, t, p in zip(self.successes[b], self.trials[b], prior)]
+        context = self.context[b]
+        if not self.use_contexts or context not in self.context_trials:
+            return overall
+        return [min((s + 2.0 * p) / (t + 2.0), 0.99) for s, t, p in zip(
+            self.context_successes[context], self.context_trials[context], overall)]
 
     def _power_law(self) -> tuple[float, float, float]:
         """(mean log rows, mean log seconds, exponent) of the recent steps (cached)."""
@@ -106,13 +135,22 @@ class AdaptiveLength:
             return self.step_seconds[rows]
         if not self.samples:
             return float(rows) ** self.row_exponent
+        if self.interpolate:  # between the nearest measured row counts on either side
+            below = max((r for r in self.step_seconds if r < rows), default=None)
+            above = min((r for r in self.step_seconds if r > rows), default=None)
+            if below is not None and above is not None:
+                w = (rows - below) / (above - below)
+                return (1 - w) * self.step_seconds[below] + w * self.step_seconds[above]
         mean_x, mean_y, exponent = self._power_law()
         return math.exp(mean_y + exponent * (math.log(rows) - mean_x))
 
-    def choose(self, available: Sequence[int]) -> list[int]:
+    def choose(self, available: Sequence[int],
+               contexts: Optional[Sequence] = None) -> list[int]:
         """Draft lengths for the live requests; ``available[b]``: the most drafts request
-        ``b`` can have this step (an n-gram's proposal length; ``max_len`` for a model)."""
+        ``b`` can have this step (an n-gram's proposal length; ``max_len`` for a model);
+        ``contexts[b]``: the proposal's context (hashable; None: none)."""
         batch = len(available)
+        self.context = list(contexts) if contexts is not None else [None] * batch
         if self.calibrate and not self.samples:  # first a plain step: the unit
             return [0] * batch
         caps = [min(int(a), self.max_len) for a in available]
@@ -141,6 +179,7 @@ class AdaptiveLength:
         # verification: cheaper than their rows say).
         self.clock += 1
         probe_step = self.clock % self.probe_every == 0
+        due = []
         for b in range(batch):
             if best_lengths[b]:
                 self.idle[b] = 0
@@ -149,10 +188,22 @@ class AdaptiveLength:
                 continue
             self.idle[b] += 1
             if self.idle[b] >= self.gap[b] and probe_step:
-                self.idle[b] = 0
-                self.probing[b] = True
-                best_lengths[b] = min(self.probe_length, caps[b])
+                due.append(b)
+        length = self.current_probe_length()
+        for b in due:
+            self.idle[b] = 0
+            self.probing[b] = True
+            best_lengths[b] = min(length, caps[b])
         return best_lengths
+
+    def current_probe_length(self) -> int:
+        """``probe_length`` while probes find agreement, shorter as they fail (the batch's
+        decayed rate of probes that accepted something, prior 1/2 with weight 2): where
+        drafts never land, a probe costs one row."""
+        if not self.shared_probes:
+            return self.probe_length
+        rate = (self.probe_successes + 1.0) / (self.probe_trials + 2.0)
+        return max(1, min(self.probe_length, round(2 * rate * self.probe_length)))
 
     def observe(self, b: int, drafted: int, accepted: int) -> None:
         """Request ``b`` drafted ``drafted`` tokens and ``accepted`` of them were accepted:
@@ -160,11 +211,21 @@ class AdaptiveLength:
         accepted)."""
         if drafted == 0:
             return
-        for j in range(min(accepted + 1, drafted)):
-            self.trials[b][j] = self.decay * self.trials[b][j] + 1.0
-            self.successes[b][j] = self.decay * self.successes[b][j] + (j < accepted)
+        counts = [(self.trials[b], self.successes[b])]
+        context = self.context[b]
+        if self.use_contexts and context is not None:
+            if context not in self.context_trials:
+                self.context_trials[context] = [0.0] * self.max_len
+                self.context_successes[context] = [0.0] * self.max_len
+            counts.append((self.context_trials[context], self.context_successes[context]))
+        for trials, successes in counts:
+            for j in range(min(accepted + 1, drafted)):
+                trials[j] = self.decay * trials[j] + 1.0
+                successes[j] = self.decay * successes[j] + (j < accepted)
         if self.probing[b]:
             self.probing[b] = False
+            self.probe_trials = self.decay * self.probe_trials + 1.0
+            self.probe_successes = self.decay * self.probe_successes + (accepted > 0)
             self.gap[b] = (self.probe_every if accepted
                            else min(2 * self.gap[b], 8 * self.probe_every))
 
@@ -184,6 +245,12 @@ class AdaptiveLength:
                                         else 0.8 * self.draft_level_seconds + 0.2 * per_level)
 
     def select(self, rows: Sequence[int]) -> None:
-        for name in ("successes", "trials", "idle", "gap", "probing"):
+        for name in ("successes", "trials", "idle", "gap", "probing", "context"):
             values = getattr(self, name)
             setattr(self, name, [values[r] for r in rows])
+
+
+def match_context(match_length: int) -> int:
+    """An n-gram proposal's context for :class:`AdaptiveLength`: its match length's bucket
+    (1, 2, 3-4, 5-8, 9-16, 17+ tokens)."""
+    return min(max(match_length - 1, 0).bit_length(), 5)

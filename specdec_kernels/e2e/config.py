@@ -143,6 +143,7 @@ class Result:
     tokens: list[list[int]]     # generated tokens per request (EOS included when emitted)
     stats: Stats
     caches: Optional[list] = None  # (kv_lens, cache tensors) per request when kept
+    policy: Optional[object] = None  # the AdaptiveLength (adaptive runs): generate(policy=)
 
 
 def tree_size(branching: Sequence[int]) -> int:

@@ -25,8 +25,14 @@ class NgramDrafter:
         self.ngram_max = ngram_max
 
     def propose(self, history: Sequence[int], length: int) -> list[int]:
+        return self.propose_with_match(history, length)[0]
+
+    def propose_with_match(self, history: Sequence[int], length: int,
+                           longest: int = 32) -> tuple[list[int], int]:
+        """(the proposal, how many tokens its occurrence matches the history's end by, at
+        most ``longest``: a long match tends to go on being copied)."""
         if length <= 0 or len(history) < 2:
-            return []
+            return [], 0
         tokens = np.asarray(history, dtype=np.int64)
         # Earlier positions p holding the last token; an n-gram match also needs the n - 1
         # tokens before p to equal the history's (one vector compare per extra token).
@@ -36,9 +42,13 @@ class NgramDrafter:
             for back in range(1, n):
                 hits = hits[tokens[hits - back] == tokens[-1 - back]]
             if hits.size:
-                start = int(hits[-1]) + 1
-                return tokens[start:start + length].tolist()
-        return []
+                end = int(hits[-1])
+                match = n
+                while (match < longest and end - match >= 0
+                       and history[end - match] == history[-1 - match]):
+                    match += 1
+                return tokens[end + 1:end + 1 + length].tolist(), match
+        return [], 0
 
     def plan(self, proposals: Sequence[Sequence[int]], device) -> DraftPlan:
         """The chain plan of one proposal per request (``-1`` padded to the longest)."""
@@ -77,8 +87,8 @@ def match_starts(history: Sequence[int], ngram_max: int, limit: int) -> list[int
 class NgramTrieDrafter:
     """Prompt lookup as a trie: the continuations (at most ``max_depth`` tokens) of the
     earlier matches of the recent suffix (:func:`match_starts`: longest ``n`` first, then
-    most recent) merged into one tree, nodes added in that order until ``max_nodes`` draft
-    nodes. Its first path is the chain drafter's proposal, so greedy decoding accepts at
+    most recent; the first ``4 * max_nodes`` of them) merged into one tree, nodes added in
+    that order until ``max_nodes`` draft nodes. Its first path is the chain drafter's proposal, so greedy decoding accepts at
     least what the chain would; siblings are distinct tokens, earlier matches first (the
     order ``sk.verify_tree`` tries deterministic candidates in)."""
 

@@ -25,7 +25,7 @@ import torch
 
 import specdec_kernels as sk
 
-from .adaptive import AdaptiveLength
+from .adaptive import AdaptiveLength, match_context
 from .config import PhaseClock, Request, Result, Sampling, Speculation, Stats, tree_size
 from .drafters import ModelDrafter, NgramDrafter, NgramTrieDrafter
 from .model import SlotCache, chain_visibility, forward_block, prefill
@@ -36,12 +36,24 @@ from .verify import unpack_rows, verify_step
 def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(),
              speculation: Speculation = Speculation(), *, draft_model=None,
              eos_token_id: Optional[int] = None, keep_cache: bool = False,
-             planted_bug: Optional[str] = None) -> Result:
+             planted_bug: Optional[str] = None,
+             policy: Optional[AdaptiveLength] = None) -> Result:
     """Generate for a static batch of requests; finished requests leave the batch.
 
     ``keep_cache``: return each request's committed K/V (to check them against a
     recomputation). ``planted_bug``: a deliberate error for the tests to catch
-    (``"rows_one_late"``: each draft is checked against the target row one position late)."""
+    (``"rows_one_late"``: each draft is checked against the target row one position late).
+    ``policy``: with adaptive lengths, the :class:`AdaptiveLength` of an earlier call
+    (``Result.policy``) to go on with: what it learnt of costs and contexts is kept, as a
+    server's policy would across requests; default a new one."""
+    # No autograd bookkeeping on any op (transformers' generate runs under no_grad).
+    with torch.inference_mode():
+        return _generate(target, requests, sampling, speculation, draft_model, eos_token_id,
+                         keep_cache, planted_bug, policy)
+
+
+def _generate(target, requests, sampling, speculation, draft_model, eos_token_id, keep_cache,
+              planted_bug, policy) -> Result:
     device = next(target.parameters()).device
     spec = speculation
     if spec.drafter not in ("none", "ngram", "model"):
@@ -83,10 +95,14 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
     clock.lap("drafting")  # the draft model's prefill
     # A draft model pays a forward per draft level: its probes draft one token.
     model_drafts = spec.drafter == "model"
-    adaptive = (AdaptiveLength(batch, spec.max_draft_tokens, calibrate=True,
-                               draft_cost_per_level=model_drafts,
-                               probe_length=1 if model_drafts else 4)
-                if spec.adaptive else None)
+    adaptive = None
+    if spec.adaptive and policy is not None:
+        adaptive = policy
+        adaptive.start(batch)
+    elif spec.adaptive:
+        adaptive = AdaptiveLength(batch, spec.max_draft_tokens, calibrate=True,
+                                  draft_cost_per_level=model_drafts,
+                                  probe_length=1 if model_drafts else 4)
     latency = [0.0] * batch
     kept = [None] * batch
     sample_kwargs = sampling.kwargs()
@@ -208,7 +224,7 @@ def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(
                                                 "compaction"))
     stats.tokens = sum(len(g) for g in generated)
     stats.latency_s = latency
-    return Result(generated, stats, kept if keep_cache else None)
+    return Result(generated, stats, kept if keep_cache else None, adaptive)
 
 
 def warm_up(target, requests: Sequence[Request], *, draft_model=None,
@@ -249,11 +265,13 @@ def _plan(spec, drafter, adaptive, history, live, pending, kv_lens, seeds, offse
         return drafter.plan([history[i] for i in live], kv_lens)
     cap = spec.max_draft_tokens if adaptive is not None else int(spec.num_draft_tokens)
     ngram = isinstance(drafter, NgramDrafter)
-    proposals = ([drafter.propose(history[i], cap) for i in live] if ngram else None)
+    found = [drafter.propose_with_match(history[i], cap) for i in live] if ngram else None
+    proposals = [p for p, _ in found] if ngram else None
     if adaptive is not None:
         available = [len(p) for p in proposals] if ngram else [cap] * len(live)
+        contexts = [match_context(m) for _, m in found] if ngram else None
         clock.lap("drafting")
-        lengths = adaptive.choose(available)
+        lengths = adaptive.choose(available, contexts)
         clock.lap("policy")
     else:
         lengths = [cap] * len(live)

@@ -36,7 +36,7 @@ class DraftPlan:
         return self.parents is not None
 
     def tree_tokens(self) -> torch.Tensor:
-        root = torch.full_like(self.tokens[:, :1], -1)
+        root = self.tokens.new_full((self.tokens.shape[0], 1), -1)
         return torch.cat([root, self.tokens], 1)
 
     def num_drafted(self, row: int) -> int:
