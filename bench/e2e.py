@@ -4,6 +4,7 @@ decoding and transformers' own decoding, in one run.
     python -m bench.e2e                         # the CPU sweep (<= ~16 min on 2 idle CPU threads)
     python -m bench.e2e --preset full           # every K, both drafters, more prompts (hours)
     python -m bench.e2e --preset quick          # a few seconds of generation per row
+    python -m bench.e2e --preset issue26 --repeats 3 --threads 1   # issue 26's targets
     python -m bench.e2e --target FOLDER [--draft FOLDER | --draft-layers 8]
 
 Writes into ``--out`` (default ``bench/results/<device>-<date>``): ``e2e.json`` (meta, one
@@ -19,16 +20,18 @@ import datetime as _dt
 import json
 import math
 import os
+import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from bench.harness import device_name, git_commit
-from specdec_kernels.e2e import engine as E
-from specdec_kernels.e2e.engine import Request, Sampling, Speculation, generate
+from specdec_kernels.e2e.config import Sampling, Speculation, Stats, replace
+from specdec_kernels.e2e.engine import cache_recompute_error, generate, warm_up as loop_warm_up
+from specdec_kernels.e2e.verify import methods_for, verify_methods
 from specdec_kernels.e2e.model import early_exit_draft, load_model
 from specdec_kernels.e2e.peers import hf_generate
 from specdec_kernels.e2e.tasks import task_requests
@@ -53,12 +56,17 @@ class Group:
         return f"{self.task} b{self.batch} T{self.temperature:g}"
 
 
-ALL_METHODS = "all"  # a spec's methods: every installed one that applies (E.methods_for)
+ALL_METHODS = "all"  # a spec's methods: every installed one that applies (methods_for)
 
 
 def _ng(k, methods=("token",)):
     """(spec, methods): n-gram drafts have a one-hot q, so "block" is the token law."""
     return Speculation("ngram", k), methods
+
+
+def _trie(nodes, depth, methods=("token",)):
+    """An n-gram trie of ``nodes`` draft nodes, depth ``depth``."""
+    return Speculation("ngram", depth, trie_nodes=nodes), methods
 
 
 def _dm(k, tree=None, children="top_k", methods=("token",)):
@@ -68,11 +76,19 @@ def _dm(k, tree=None, children="top_k", methods=("token",)):
 ALL_PEERS = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
 
 PRESETS = {
-    # Ordered by what matters most, so a time budget drops the least important runs.
-    # Estimated (scaled from a 16-token run of every group, 1 thread, load ~2; upper bounds,
-    # every request at its full budget): 0: 5.5 min, 1: 4, 2: 0.7, 3: 0.8, 4 (10,240 tokens and
-    # the recomputation): 2.5, 5: 0.3, 6: 0.3, 7: 0.9, law checks 0.3, load + warm-up 0.5;
-    # ~16 min in all, less on 2 idle threads.
+    # Issue 26's targets, sized for 3 interleaved repeats on a shared 2-core machine at one
+    # thread: copy b1 greedy (against transformers' prompt lookup), copy b1 sampled, copy
+    # b16, rare_terms b1/b4/b16 (adaptive never slower than plain), and our plain decoding
+    # against transformers' plain generate on short (rare_terms) and long (copy) prompts.
+    "issue26": [
+        Group("copy", 1, 0.0, 2, [_ng(4), _ng(8), _ng("adaptive"), _trie(16, 8)],
+              ("hf_plain", "hf_prompt_lookup"), max_new_tokens=64),
+        Group("rare_terms", 1, 0.0, 2, [_ng("adaptive")], ("hf_plain",), max_new_tokens=40),
+        Group("copy", 16, 0.0, 16, [_ng(4), _ng("adaptive")], max_new_tokens=40),
+        Group("rare_terms", 16, 0.0, 16, [_ng("adaptive")], max_new_tokens=24),
+        Group("rare_terms", 4, 0.0, 4, [_ng("adaptive")], max_new_tokens=32),
+        Group("copy", 1, 1.0, 2, [_ng(4), _ng("adaptive"), _trie(16, 8)], max_new_tokens=64),
+    ],
     "cpu": [
         Group("copy", 1, 0.0, 4, [_ng(2), _ng(4), _ng(8), _ng("adaptive"), _dm(2),
                                   _dm(0, tree=(2, 2, 1))], ALL_PEERS, max_new_tokens=128),
@@ -144,6 +160,8 @@ def parse_args(argv=None):
     ap.add_argument("--groups", default=None, help="comma-separated indices of the preset's "
                     "groups to run (default: all, in order)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats of every "
+                    "group's runs (rows report medians and the spread)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds: start no new group after this")
@@ -152,6 +170,28 @@ def parse_args(argv=None):
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--note", default="", help="free text stored in meta (e.g. machine load)")
     return ap.parse_args(argv)
+
+
+def cpu_info() -> dict:
+    """The CPU's model, cores and widest vector ISA (from /proc/cpuinfo's flags)."""
+    info = {"model": None, "cores": os.cpu_count(), "isa": None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        if line.startswith("model name") and info["model"] is None:
+            info["model"] = line.split(":", 1)[1].strip()
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            for isa in ("avx512_bf16", "avx512f", "avx2", "avx", "sse4_2"):
+                if isa in flags:
+                    info["isa"] = isa
+                    break
+            info["amx"] = any(f.startswith("amx") for f in flags)
+            break
+    return info
 
 
 def _percentile(values, q):
@@ -165,11 +205,13 @@ def _percentile(values, q):
 
 def run_ours(model, requests, batch, sampling, spec, draft, eos, keep_cache=False):
     """Requests in chunks of ``batch`` (static batches); (tokens, merged stats, kept)."""
-    tokens, stats, kept = [], E.Stats(), []
+    tokens, stats, kept, policy = [], Stats(), [], None
     for start in range(0, len(requests), batch):
         chunk = requests[start:start + batch]
+        # An adaptive policy goes on from one batch to the next (a server's would).
         result = generate(model, chunk, sampling, spec, draft_model=draft, eos_token_id=eos,
-                          keep_cache=keep_cache)
+                          keep_cache=keep_cache, policy=policy)
+        policy = result.policy
         tokens += result.tokens
         stats.merge(result.stats)
         if keep_cache:
@@ -180,7 +222,7 @@ def run_ours(model, requests, batch, sampling, spec, draft, eos, keep_cache=Fals
 def _methods(spec: Speculation, methods) -> tuple:
     """The methods to run for a spec: ``"all"`` or a comma list / tuple, kept to those the
     installed ops take for it."""
-    applicable = E.methods_for(spec)
+    applicable = methods_for(spec)
     if methods == ALL_METHODS:
         return applicable
     if isinstance(methods, str):
@@ -193,10 +235,10 @@ def _methods(spec: Speculation, methods) -> tuple:
 
 
 def warm_up(model, draft, tokenizer) -> float:
-    """Our loop's paths (E.warm_up) and transformers' generate, before anything is timed."""
+    """Our loop's paths (the loop's warm_up) and transformers' generate, before anything is timed."""
     start = time.perf_counter()
     requests = task_requests(tokenizer, "copy", 2, max_new_tokens=6)
-    E.warm_up(model, requests, draft_model=draft, eos_token_id=tokenizer.eos_token_id)
+    loop_warm_up(model, requests, draft_model=draft, eos_token_id=tokenizer.eos_token_id)
     hf_generate(model, requests[:1], Sampling(), "hf_plain",
                 eos_token_id=tokenizer.eos_token_id)
     return time.perf_counter() - start
@@ -205,12 +247,22 @@ def warm_up(model, draft, tokenizer) -> float:
 def _k_label(spec: Speculation):
     if spec.tree:
         return "tree" + "x".join(map(str, spec.tree))
+    if spec.trie:
+        return f"trie{spec.trie_nodes}d{spec.num_draft_tokens}"
+    if spec.drafter == "none":
+        return 0
     return spec.num_draft_tokens
 
 
-def _row(meta, group, spec, method, stats, baselines, identical, extra):
-    tokens_per_s = stats.tokens / stats.wall_s if stats.wall_s else float("nan")
+def _row(meta, group, spec, method, stats, baselines, identical, extra, *,
+         tokens_per_s: Optional[float] = None, speedup: Optional[float] = None):
+    """One configuration's row; ``tokens_per_s`` and ``speedup`` default to ``stats``'
+    own rate and its ratio to ``baselines["plain"]``."""
+    if tokens_per_s is None:
+        tokens_per_s = stats.tokens / stats.wall_s if stats.wall_s else float("nan")
     plain = baselines.get("plain", float("nan"))
+    if speedup is None and plain == plain:
+        speedup = tokens_per_s / plain
     return {
         "task": group.task, "drafter": spec.drafter, "method": method, "K": _k_label(spec),
         "tree": list(spec.tree) if spec.tree else None,
@@ -221,30 +273,19 @@ def _row(meta, group, spec, method, stats, baselines, identical, extra):
         "requests": group.prompts, "tokens": stats.tokens, "wall_s": round(stats.wall_s, 3),
         "cpu_s": round(stats.cpu_s, 3),
         "tokens_per_s": round(tokens_per_s, 3), "baselines": baselines,
-        "speedup_vs_plain": round(tokens_per_s / plain, 3) if plain == plain else None,
+        "speedup_vs_plain": round(speedup, 3) if speedup is not None else None,
+        "trie_nodes": spec.trie_nodes or None,
         "mean_accepted": round(stats.mean_accepted, 4),
         "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position],
         "draft_share": round(stats.draft_s / stats.wall_s, 4) if stats.wall_s else None,
         "steps": stats.steps,
         "p50_ms": round(1e3 * _percentile(stats.latency_s, 0.5), 1),
         "p99_ms": round(1e3 * _percentile(stats.latency_s, 0.99), 1),
+        "profile_ms_per_step": stats.profile_ms_per_step(),
+        "wall_ms_per_step": round(1e3 * stats.wall_s / max(stats.steps, 1), 3),
         "greedy_identical": identical, "device_name": meta["device_name"],
         "git_commit": meta["git_commit"], "timestamp": _now(), **extra,
     }
-
-
-def _plain_again(model, requests, group, sampling, eos, first: E.Stats, baselines: dict,
-                 rows: list) -> None:
-    """Plain decoding once more after the group's speculative runs: this machine's speed
-    drifts by ~20% within minutes, so ``plain`` is both runs' tokens over both runs'
-    seconds (``plain_first``, ``plain_last``: each run's own) and the group's speedups are
-    recomputed against it."""
-    _, last, _ = run_ours(model, requests, group.batch, sampling, Speculation(), None, eos)
-    baselines["plain_first"] = round(first.tokens / first.wall_s, 3)
-    baselines["plain_last"] = round(last.tokens / last.wall_s, 3)
-    baselines["plain"] = round((first.tokens + last.tokens) / (first.wall_s + last.wall_s), 3)
-    for row in rows:  # every row of the group shares this baselines dict
-        row["speedup_vs_plain"] = round(row["tokens_per_s"] / baselines["plain"], 3)
 
 
 def _now():
@@ -275,29 +316,165 @@ def _cell(value, spec=".1f") -> str:
     return "" if value is None else format(value, spec)
 
 
+def _ranged(value, spread) -> str:
+    if value is None:
+        return ""
+    if not spread or spread.get("min") == spread.get("max"):
+        return f"{value:.2f}"
+    return f"{value:.2f} [{spread['min']:.2f}-{spread['max']:.2f}]"
+
+
 def summary_table(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"# End-to-end speculative generation\n",
+    lines = ["# End-to-end speculative generation\n",
              f"{meta['device_name']}; target {meta['target_model']}; draft "
              f"{meta['draft_model']}; commit {meta['git_commit'][:12]}; {meta['timestamp']}"
              + (f"; {meta['note']}" if meta.get("note") else "") + "\n",
-             "| task | batch | T | drafter | method | K | tok/s | plain | x plain | "
-             "hf_plain | hf_prompt_lookup | hf_assisted | accepted/step | draft share | "
-             "p50 ms | p99 ms | greedy = plain |",
-             "|" + "---|" * 17]
+             "| task | batch | T | drafter | method | K | tok/s | plain | x plain [min-max] | "
+             "hf_plain | hf_prompt_lookup | hf_assisted | x hf_prompt_lookup [min-max] | "
+             "x hf_plain | accepted/step | draft share | p50 ms | p99 ms | greedy = plain |",
+             "|" + "---|" * 19]
     for r in report["rows"]:
         b = r["baselines"]
+        speedups = r.get("speedups") or {}
         cells = [r["task"], r["batch"], f"{r['temperature']:g}", r["drafter"], r["method"],
                  r["K"], _cell(r["tokens_per_s"]), _cell(b.get("plain")),
-                 _cell(r["speedup_vs_plain"], ".2f")]
+                 _ranged(r["speedup_vs_plain"], speedups.get("plain"))]
         cells += [_cell(b.get(p)) for p in ALL_PEERS]
-        cells += [_cell(r["mean_accepted"], ".2f"), _cell(r["draft_share"], ".2f"),
+        pl = speedups.get("hf_prompt_lookup")
+        cells += [_ranged(pl and pl["median"], pl),
+                  _ranged((speedups.get("hf_plain") or {}).get("median"),
+                          speedups.get("hf_plain")),
+                  _cell(r["mean_accepted"], ".2f"), _cell(r["draft_share"], ".2f"),
                   _cell(r["p50_ms"], ".0f"), _cell(r["p99_ms"], ".0f"),
                   "" if r["greedy_identical"] is None else r["greedy_identical"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    from specdec_kernels.e2e.config import PHASES
+    lines += ["\nWhere a step's time goes (ms per step, all repeats; `python`: the loop's own "
+              "bookkeeping):\n",
+              "| task | batch | T | drafter | K | ms/step | " + " | ".join(PHASES) + " |",
+              "|" + "---|" * (6 + len(PHASES))]
+    for r in report["rows"]:
+        profile = r.get("profile_ms_per_step") or {}
+        lines.append("| " + " | ".join(str(c) for c in [
+            r["task"], r["batch"], f"{r['temperature']:g}", r["drafter"], r["K"],
+            _cell(r.get("wall_ms_per_step"), ".1f")] + [_cell(profile.get(p), ".2f")
+                                                        for p in PHASES]) + " |")
     for name, check in report.get("checks", {}).items():
         lines.append(f"\n{name}: {json.dumps(check)}")
     return "\n".join(lines)
+
+
+def _spread(values: list) -> dict:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "runs": [round(v, 3) for v in values]}
+
+
+def run_group(model, draft, tokenizer, group: Group, args, meta: dict, report: dict, out: Path,
+              started: float, tqdm=lambda x, **_: x) -> None:
+    """The group's runs, ``--repeats`` times interleaved: each repeat runs plain decoding,
+    transformers' peers and every spec once, in that order, and plain decoding runs once
+    more at the end, so each repeat's speculative runs lie between two plain runs (its
+    ``plain``: both runs' tokens over both runs' seconds; this machine drifts by ~20% within
+    minutes). A row's ``tokens_per_s``, baselines and speedups are medians over the repeats
+    (``speedups``: median, min, max and each repeat's ratio, each against the same repeat's
+    baselines)."""
+    eos = tokenizer.eos_token_id
+    sampling = Sampling(group.temperature, group.top_k)
+    requests = task_requests(tokenizer, group.task, group.prompts,
+                             max_new_tokens=args.max_new_tokens or group.max_new_tokens)
+    configs = [(spec, method) for spec, spec_methods in group.specs
+               for method in _methods(spec, args.methods or spec_methods)]
+    peers = group.peers if group.batch == 1 else ()
+    repeats = max(1, args.repeats)
+    plain_runs: list = []      # (tokens, Stats) of each plain run
+    peer_rates: dict = {p: [] for p in peers}
+    runs: dict = {i: [] for i in range(len(configs))}  # per config: (tokens, Stats, extra)
+
+    def plain_run():
+        tokens, stats, _ = run_ours(model, requests, group.batch, sampling, Speculation(),
+                                    None, eos)
+        plain_runs.append((tokens, stats))
+
+    for repeat in range(repeats):
+        if args.time_budget and time.perf_counter() - started > args.time_budget and repeat:
+            print(f"time budget reached: {group.label} after {repeat} repeats")
+            break
+        if group.plain:
+            plain_run()
+        for peer in peers:
+            peer_tokens, wall = hf_generate(model, requests, sampling, peer,
+                                            draft_model=draft, eos_token_id=eos)
+            peer_rates[peer].append(sum(map(len, peer_tokens)) / wall)
+        for i, (spec, method) in enumerate(tqdm(configs, desc=group.label, leave=False)):
+            spec_m = replace(spec, method=method)
+            keep = group.keep_cache and repeat == 0
+            tokens, stats, kept = run_ours(model, requests, group.batch, sampling, spec_m,
+                                           draft, eos, keep_cache=keep)
+            extra = {}
+            if keep:
+                worst = max(cache_recompute_error(model, r, t, k)
+                            for r, t, k in zip(requests, tokens, kept))
+                extra["kv_recompute_max_abs_diff"] = worst
+                report["checks"]["kv_cache_vs_recompute"] = {
+                    "task": group.task, "batch": group.batch, "drafter": spec.drafter,
+                    "tokens": stats.tokens, "requests": len(requests),
+                    "max_abs_diff": worst, "passed": worst < 1e-4}
+            runs[i].append((tokens, stats, extra))
+    done = min([len(r) for r in runs.values()] + [len(peer_rates[p]) for p in peers]
+               or [repeats])
+    if group.plain:
+        plain_run()
+    # Each repeat's plain rate: the plain runs before and after it.
+    plain_rates = []
+    for r in range(min(done, len(plain_runs) - 1) if group.plain else 0):
+        (_, before), (_, after) = plain_runs[r], plain_runs[r + 1]
+        plain_rates.append((before.tokens + after.tokens) / (before.wall_s + after.wall_s))
+    baselines = {}
+    if plain_rates:
+        baselines["plain"] = round(statistics.median(plain_rates), 3)
+        baselines["plain_runs"] = [round(s.tokens / s.wall_s, 3) for _, s in plain_runs]
+    for peer in peers:
+        if peer_rates[peer]:
+            baselines[peer] = round(statistics.median(peer_rates[peer]), 3)
+    plain_tokens = plain_runs[0][0] if plain_runs else None
+    rows = []
+    if group.plain and plain_runs:  # our plain decoding itself, against transformers'
+        merged = Stats()
+        for _, stats in plain_runs:
+            merged.merge(stats)
+        rates = [s.tokens / s.wall_s for _, s in plain_runs]
+        rows.append(_row(meta, group, Speculation(), "token", merged, baselines, None,
+                         {"repeats": len(plain_runs), "tokens_per_s_runs":
+                          [round(v, 3) for v in rates],
+                          "speedups": {p: _spread([rates[r] / peer_rates[p][r] for r in
+                                                   range(len(peer_rates[p]))])
+                                       for p in peers if peer_rates[p]}},
+                         tokens_per_s=statistics.median(rates)))
+    for i, (spec, method) in enumerate(configs):
+        if not runs[i]:
+            continue
+        merged, rates = Stats(), []
+        for _, stats, _ in runs[i][:done]:
+            merged.merge(stats)
+            rates.append(stats.tokens / stats.wall_s)
+        identical = (all(t == plain_tokens for t, _, _ in runs[i])
+                     if sampling.greedy and plain_tokens is not None else None)
+        speedups = {}
+        if plain_rates:
+            speedups["plain"] = _spread([rates[r] / plain_rates[r]
+                                         for r in range(min(len(rates), len(plain_rates)))])
+        for peer in peers:
+            if peer_rates[peer]:
+                speedups[peer] = _spread([rates[r] / peer_rates[peer][r] for r in
+                                          range(min(len(rates), len(peer_rates[peer])))])
+        extra = dict(runs[i][0][2], repeats=len(rates),
+                     tokens_per_s_runs=[round(v, 3) for v in rates], speedups=speedups)
+        rows.append(_row(meta, group, replace(spec, method=method), method, merged, baselines,
+                         identical, extra, tokens_per_s=statistics.median(rates),
+                         speedup=speedups["plain"]["median"] if plain_rates else None))
+    report["rows"].extend(rows)
+    write_outputs(out, report, plots=False)
 
 
 def main(argv=None) -> dict:
@@ -311,7 +488,6 @@ def main(argv=None) -> dict:
     else:
         draft = early_exit_draft(model, args.draft_layers)
     load_s = time.perf_counter() - t_load
-    eos = tokenizer.eos_token_id
     commit, dirty = git_commit()
     date = _dt.date.today().isoformat()
     out = args.out or Path("bench/results") / f"{device.type}-{date}"
@@ -321,7 +497,7 @@ def main(argv=None) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "preset": args.preset, "methods": args.methods or "per spec",
             "groups": args.groups or "all", "max_new_tokens": args.max_new_tokens,
-            "load_s": round(load_s, 1),
+            "load_s": round(load_s, 1), "cpu": cpu_info(), "repeats": args.repeats,
             "loadavg_start": os.getloadavg(), "note": args.note}
     report = {"meta": meta, "rows": [], "checks": {}}
     started = time.perf_counter()
@@ -336,61 +512,26 @@ def main(argv=None) -> dict:
             return x
     for index, group in enumerate(tqdm(groups, desc="groups")):
         if args.time_budget and time.perf_counter() - started > args.time_budget:
-            print(f"time budget reached: skipped {group.task} batch {group.batch}")
+            print(f"time budget reached: skipped {group.label}")
             continue
         group_start, group_cpu = time.perf_counter(), time.process_time()
-        sampling = Sampling(group.temperature, group.top_k)
-        requests = task_requests(tokenizer, group.task, group.prompts,
-                                 max_new_tokens=args.max_new_tokens or group.max_new_tokens)
-        plain_tokens, baselines, group_rows = None, {}, []
-        if group.plain:
-            plain_tokens, plain_stats, _ = run_ours(model, requests, group.batch, sampling,
-                                                    Speculation(), None, eos)
-            baselines["plain"] = round(plain_stats.tokens / plain_stats.wall_s, 3)
-        if group.batch == 1:
-            for peer in group.peers:
-                peer_tokens, wall = hf_generate(model, requests, sampling, peer,
-                                                draft_model=draft, eos_token_id=eos)
-                baselines[peer] = round(sum(map(len, peer_tokens)) / wall, 3)
-        for spec, spec_methods in tqdm(group.specs, desc=group.label, leave=False):
-            for method in _methods(spec, args.methods or spec_methods):
-                if args.time_budget and time.perf_counter() - started > args.time_budget:
-                    break
-                spec_m = E.replace(spec, method=method)
-                tokens, stats, kept = run_ours(model, requests, group.batch, sampling, spec_m,
-                                               draft, eos, keep_cache=group.keep_cache)
-                identical = (tokens == plain_tokens) if sampling.greedy and group.plain \
-                    else None
-                extra = {}
-                if group.keep_cache:
-                    worst = max(E.cache_recompute_error(model, r, t, k)
-                                for r, t, k in zip(requests, tokens, kept))
-                    extra["kv_recompute_max_abs_diff"] = worst
-                    report["checks"]["kv_cache_vs_recompute"] = {
-                        "task": group.task, "batch": group.batch, "drafter": spec.drafter,
-                        "tokens": stats.tokens, "requests": len(requests),
-                        "max_abs_diff": worst, "passed": worst < 1e-4}
-                group_rows.append(_row(meta, group, spec_m, method, stats, baselines,
-                                       identical, extra))
-                report["rows"].append(group_rows[-1])
-                write_outputs(out, report, plots=False)
-        if group.plain and group_rows:
-            _plain_again(model, requests, group, sampling, eos, plain_stats, baselines,
-                         group_rows)
-            write_outputs(out, report, plots=False)
+        run_group(model, draft, tokenizer, group, args, meta, report, out, started, tqdm)
         report.setdefault("group_seconds", {})[f"{index}: {group.label}"] = {
             "wall_s": round(time.perf_counter() - group_start, 1),
             "cpu_s": round(time.process_time() - group_cpu, 1)}
-    if args.exactness_samples and not (args.time_budget and time.perf_counter() - started
-                                       > args.time_budget):
+    if args.exactness_samples:
         from specdec_kernels.e2e.exactness import first_two_tokens_test
         from specdec_kernels.e2e.tasks import encode
         prompt = encode(tokenizer, "Name a colour.")
         checks = {}
-        for drafter, method, bug in (("ngram", "token", None), ("model", "token", None),
-                                     ("model", "block", None),
-                                     ("ngram", "token", "rows_one_late")):
-            if method not in E.verify_methods("chain"):
+        for drafter, method, bug in (("ngram", "token", None), ("ngram_trie", "token", None),
+                                     ("model", "token", None), ("model", "block", None),
+                                     ("ngram", "token", "rows_one_late"),
+                                     ("ngram_trie", "token", "rows_one_late")):
+            if method not in verify_methods("chain"):
+                continue
+            if args.time_budget and time.perf_counter() - started > 1.1 * args.time_budget:
+                print(f"time budget reached: skipped the law check {drafter}/{method}")
                 continue
             t0 = time.perf_counter()
             result = first_two_tokens_test(  # block differs from token from 2 drafts on

@@ -4,7 +4,7 @@ recorded greedy runs, without timing noise.
 Greedy speculation emits plain greedy decoding's tokens whatever the draft lengths, so one
 plain run of a request set fixes, at every point of every answer, the n-gram proposal and how
 many of its tokens the target accepts (the longest common prefix of the proposal and the
-answer). A policy (fixed ``K``, :class:`~specdec_kernels.e2e.engine.AdaptiveLength`, or the
+answer). A policy (fixed ``K``, :class:`~specdec_kernels.e2e.adaptive.AdaptiveLength`, or the
 oracle that drafts exactly what will be accepted) is replayed on that record; each step costs
 a packed verify forward over its rows, measured once per row count on the real model
 (median of a few forwards) and interpolated between them. What it leaves out: the time of
@@ -26,9 +26,11 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from specdec_kernels.e2e import engine as E
+from specdec_kernels.e2e.config import Request, Sampling, Speculation
+from specdec_kernels.e2e.engine import generate
+from specdec_kernels.e2e.adaptive import AdaptiveLength, match_context
 from specdec_kernels.e2e.drafters import NgramDrafter
-from specdec_kernels.e2e.model import SlotCache, chain_visibility, forward_block
+from specdec_kernels.e2e.model import SlotCache, chain_visibility, forward_block, prefill
 
 MAX_DRAFT = 16
 SETS = (("copy", 1, 4, 128), ("rare_terms", 1, 2, None), ("copy", 4, 4, 96),
@@ -37,9 +39,9 @@ SETS = (("copy", 1, 4, 128), ("rare_terms", 1, 2, None), ("copy", 4, 4, 96),
 Policy = Union[int, str]  # K, "adaptive" or "oracle"
 
 
-def record(model, requests: Sequence[E.Request], eos: Optional[int]) -> list[dict]:
+def record(model, requests: Sequence[Request], eos: Optional[int]) -> list[dict]:
     """Plain greedy answers of ``requests``: [{prompt, answer}]."""
-    result = E.generate(model, requests, E.Sampling(), E.Speculation(), eos_token_id=eos)
+    result = generate(model, requests, Sampling(), Speculation(), eos_token_id=eos)
     return [{"prompt": list(r.prompt), "answer": a} for r, a in zip(requests, result.tokens)]
 
 
@@ -52,7 +54,7 @@ def measure_costs(model, batch: int, context: int = 300, rounds: int = 5) -> dic
     totals = sorted({batch * m for m in (1, 2, 3, 5, 9, width)} | {batch + 1, batch + 2}
                     if batch > 1 else set(range(1, 9)) | {10, 12, 14, width})
     cache = SlotCache(batch, context + width + 1)
-    kv_lens = E._prefill(model, cache, [[5] * (context + 1)] * batch, "cpu")
+    kv_lens = prefill(model, cache, [[5] * (context + 1)] * batch, "cpu")
     tokens = torch.full((batch, width), 7)
     visible, depth = chain_visibility(batch, width, "cpu")
     times: dict[int, list[float]] = {total: [] for total in totals}
@@ -89,25 +91,33 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def replay(records: list[dict], batch: int, policy: Policy,
-           cost: Callable[[int], float], ngram_max: int = 3) -> dict:
+           cost: Callable[[int], float], ngram_max: int = 3,
+           adaptive_options: Optional[dict] = None) -> dict:
     """Replays ``policy`` on the recorded answers in static batches of ``batch``; returns
     tokens/s (modelled), steps and accepted drafts."""
     drafter = NgramDrafter(ngram_max)
     seconds, tokens, steps, accepted = 0.0, 0, 0, 0
+    options = dict(adaptive_options or {})
+    persist = options.pop("persist", True)  # one policy for every batch (a server's)
+    adaptive = None
     for start in range(0, len(records), batch):
         chunk = records[start:start + batch]
         done = [0] * len(chunk)
         live = list(range(len(chunk)))
-        adaptive = (E.AdaptiveLength(len(chunk), MAX_DRAFT, calibrate=True,
-                                     draft_cost_per_level=False)
-                    if policy == "adaptive" else None)
+        if policy == "adaptive" and (adaptive is None or not persist):
+            adaptive = AdaptiveLength(len(chunk), MAX_DRAFT, calibrate=True,
+                                      draft_cost_per_level=False, **options)
+        elif adaptive is not None:
+            adaptive.start(len(chunk))
         while live:
-            proposals = [drafter.propose(chunk[i]["prompt"] + chunk[i]["answer"][:done[i]],
-                                         MAX_DRAFT) for i in live]
+            found = [drafter.propose_with_match(
+                chunk[i]["prompt"] + chunk[i]["answer"][:done[i]], MAX_DRAFT) for i in live]
+            proposals = [p for p, _ in found]
             will_accept = [_common_prefix(p, chunk[i]["answer"][done[i]:])
                            for p, i in zip(proposals, live)]
             if adaptive is not None:
-                lengths = adaptive.choose([len(p) for p in proposals])
+                lengths = adaptive.choose([len(p) for p in proposals],
+                                          [match_context(m) for _, m in found])
             elif policy == "oracle":
                 lengths = will_accept
             else:
@@ -135,12 +145,13 @@ def replay(records: list[dict], batch: int, policy: Policy,
 
 
 def compare(records: list[dict], batch: int, cost: Callable[[int], float],
-            policies: Sequence[Policy] = (2, 4, 8, 16, "adaptive", "oracle")) -> dict:
+            policies: Sequence[Policy] = (2, 4, 8, 16, "adaptive", "oracle"),
+            adaptive_options: Optional[dict] = None) -> dict:
     """Each policy's tokens/s over plain decoding's (K = 0) on the same record and costs."""
     plain = replay(records, batch, 0, cost)["tokens_per_s"]
     return {"plain_tokens_per_s": plain,
-            **{str(p): replay(records, batch, p, cost)["tokens_per_s"] / plain
-               for p in policies}}
+            **{str(p): replay(records, batch, p, cost, adaptive_options=adaptive_options)
+               ["tokens_per_s"] / plain for p in policies}}
 
 
 def main(argv=None) -> None:
@@ -149,16 +160,30 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--records", type=Path, default=None, help="a JSON file of recorded "
+                    "answers: read when it exists (no plain runs), else written")
+    ap.add_argument("--costs-from", type=Path, default=None, help="an e2e_policy.json whose "
+                    "measured costs_s to use (no cost measurement)")
     args = ap.parse_args(argv)
     from specdec_kernels.e2e.model import load_model
     from specdec_kernels.e2e.tasks import task_requests
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.target)
     rows, costs_by_batch = [], {}
+    if args.costs_from:
+        costs_by_batch = {int(b): {int(t): v for t, v in c.items()} for b, c in
+                          json.loads(args.costs_from.read_text())["costs_s"].items()}
+    saved = (json.loads(args.records.read_text()) if args.records and args.records.exists()
+             else {})
     for task, batch, prompts, max_new in SETS:
         extra = {"max_new_tokens": max_new} if max_new else {}
-        requests = task_requests(tokenizer, task, prompts, **extra)
-        records = record(model, requests, tokenizer.eos_token_id)
+        key = f"{task}/{prompts}/{max_new}"
+        if key not in saved:
+            requests = task_requests(tokenizer, task, prompts, **extra)
+            saved[key] = record(model, requests, tokenizer.eos_token_id)
+            if args.records:
+                args.records.write_text(json.dumps(saved))
+        records = saved[key]
         if batch not in costs_by_batch:
             costs_by_batch[batch] = measure_costs(model, batch)
         costs = costs_by_batch[batch]
@@ -171,7 +196,8 @@ def main(argv=None) -> None:
         (args.out / "e2e_policy.json").write_text(json.dumps(
             {"rows": rows, "costs_s": {str(b): {str(t): s for t, s in c.items()}
                                        for b, c in costs_by_batch.items()},
-             "threads": args.threads, "max_draft": MAX_DRAFT}, indent=1))
+             "threads": args.threads, "max_draft": MAX_DRAFT,
+             "costs_from": str(args.costs_from) if args.costs_from else None}, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from specdec_kernels.e2e import engine as E
+from specdec_kernels.e2e.adaptive import AdaptiveLength
 from specdec_kernels.e2e.drafters import NgramDrafter
-from specdec_kernels.e2e.engine import Request, Sampling, Speculation, generate
+from specdec_kernels.e2e.config import Sampling, Speculation, replace
+from specdec_kernels.e2e.engine import generate
+from specdec_kernels.e2e.verify import methods_for, verify_methods
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def _probe_steps(adaptive, steps, accept=lambda k: 0):
 
 
 def test_adaptive_length_backs_off_and_probes():
-    adaptive = E.AdaptiveLength(1, 8, row_exponent=0.5)  # as if 4 rows cost 2x one
+    adaptive = AdaptiveLength(1, 8, row_exponent=0.5)  # as if 4 rows cost 2x one
     for _ in range(20):
         adaptive.observe(0, 4, 0)
     # Probes after 4 plain steps, then 8, then 16: each probe here accepts nothing.
@@ -87,7 +90,7 @@ def test_adaptive_length_backs_off_and_probes():
 
 
 def test_a_probe_drafts_several_and_an_accepted_one_resets_the_gap():
-    adaptive = E.AdaptiveLength(1, 16, row_exponent=0.5)
+    adaptive = AdaptiveLength(1, 16, row_exponent=0.5)
     for _ in range(20):
         adaptive.observe(0, 4, 0)
     chosen = [adaptive.choose([16])[0] for _ in range(4)]
@@ -105,7 +108,7 @@ def test_a_probe_drafts_several_and_an_accepted_one_resets_the_gap():
 def test_adaptive_lengths_are_per_request():
     """The packed verify forward costs its rows, so one request's long chain charges the
     others nothing: each request gets its own length, and none where drafts never land."""
-    adaptive = E.AdaptiveLength(16, 8)
+    adaptive = AdaptiveLength(16, 8)
     adaptive.observe_cost(16, 1.0)             # a plain step of 16 rows
     adaptive.observe_cost(40, 1.5)             # 40 rows: 2% more per extra row
     for b in range(16):                        # nor does the batch's rate at position 1
@@ -120,12 +123,12 @@ def test_adaptive_lengths_are_per_request():
 
 
 def test_adaptive_cost_fits_a_power_law_then_uses_measured_counts():
-    adaptive = E.AdaptiveLength(1, 8)
+    adaptive = AdaptiveLength(1, 8)
     adaptive.observe_cost(1, 0.04)
     adaptive.observe_cost(4, 0.08)                # seconds = 0.04 * rows^0.5
     assert adaptive.verify_seconds(9) == pytest.approx(0.12)
     assert adaptive.verify_seconds(16) == pytest.approx(0.16)
-    for _ in range(E.AdaptiveLength.MEASURED):  # two rows cost what one does
+    for _ in range(AdaptiveLength.MEASURED):  # two rows cost what one does
         adaptive.observe_cost(2, 0.04)
     assert adaptive.verify_seconds(2) == pytest.approx(0.04)
 
@@ -137,13 +140,14 @@ def test_packed_forward_equals_the_padded_one(models, lengths):
     and each longer request's rest alone: request 0's last 2 rows; requests 1 and 3 (not
     first in the packed sequence) past row 1."""
     from specdec_kernels.e2e.model import (SlotCache, _split_rows, chain_visibility,
-                                           forward_block)
+                                           forward_block, prefill)
+    from specdec_kernels.e2e.verify import pack_chain_rows
     model, _, _ = models
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=generator).tolist()
                for n in (30, 12, 45, 20)]
     caches = [SlotCache(4, 80) for _ in range(2)]
-    kv_lens = [E._prefill(model, c, prompts, "cpu") for c in caches]
+    kv_lens = [prefill(model, c, prompts, "cpu") for c in caches]
     tokens = torch.randint(0, 1000, (4, 5), generator=generator)
     assert _split_rows(lengths) == {5: 3, 1: 1}[lengths[0]]
     lengths = torch.tensor(lengths)
@@ -152,7 +156,7 @@ def test_packed_forward_equals_the_padded_one(models, lengths):
     packed = forward_block(model, caches[1], tokens, kv_lens[1], visible, depth,
                            lengths=lengths)
     assert packed.shape == (int(lengths.sum()), padded.shape[-1])
-    assert (E.pack_chain_rows(padded, lengths) - packed).abs().max() < 1e-4
+    assert (pack_chain_rows(padded, lengths) - packed).abs().max() < 1e-4
     for old, new in zip(*(c.tensors() for c in caches)):
         for b in range(4):
             end = int(kv_lens[0][b] + lengths[b])
@@ -163,7 +167,7 @@ def test_packed_forward_equals_the_padded_one(models, lengths):
 
 
 def test_adaptive_state_follows_its_request_when_others_leave():
-    adaptive = E.AdaptiveLength(3, 8)
+    adaptive = AdaptiveLength(3, 8)
     for _ in range(10):
         adaptive.observe(0, 4, 0)
         adaptive.observe(2, 4, 4)
@@ -177,7 +181,7 @@ def test_adaptive_state_follows_its_request_when_others_leave():
 
 def test_a_request_without_proposals_still_comes_to_its_probe():
     """Steps where the n-gram has nothing to propose do not restart the wait for a probe."""
-    adaptive = E.AdaptiveLength(1, 8, row_exponent=0.5)
+    adaptive = AdaptiveLength(1, 8, row_exponent=0.5)
     for _ in range(20):
         adaptive.observe(0, 4, 0)
     chosen = [adaptive.choose([8] if step % 2 else [0])[0] for step in range(8)]
@@ -189,11 +193,16 @@ def test_adaptive_trees_are_rejected(models, requests):
     with pytest.raises(ValueError, match="num_draft_tokens"):
         generate(model, requests, Sampling(), Speculation("model", "adaptive", tree=(2, 1)),
                  draft_model=draft)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        generate(model, requests, Sampling(), Speculation("ngram", "adaptive", trie_nodes=8))
+    with pytest.raises(ValueError, match="trie_nodes"):
+        generate(model, requests, Sampling(), Speculation("model", 2, trie_nodes=8),
+                 draft_model=draft)
 
 
 def test_verify_methods_include_token():
-    assert "token" in E.verify_methods("chain")
-    assert "token" in E.verify_methods("tree")
+    assert "token" in verify_methods("chain")
+    assert "token" in verify_methods("tree")
 
 
 def test_greedy_speculation_equals_plain_decoding(models, requests):
@@ -205,10 +214,11 @@ def test_greedy_speculation_equals_plain_decoding(models, requests):
     specs = [Speculation("ngram", 3), Speculation("ngram", "adaptive", max_draft_tokens=4),
              Speculation("model", 2), Speculation("model", "adaptive", max_draft_tokens=3),
              Speculation("model", 0, tree=(2, 1)),
-             Speculation("model", 0, tree=(2, 1), children="without_replacement")]
+             Speculation("model", 0, tree=(2, 1), children="without_replacement"),
+             Speculation("ngram", 4, trie_nodes=6)]
     for spec in specs:
-        for method in E.methods_for(spec):
-            result = generate(model, requests, Sampling(), E.replace(spec, method=method),
+        for method in methods_for(spec):
+            result = generate(model, requests, Sampling(), replace(spec, method=method),
                               draft_model=draft, eos_token_id=eos)
             assert result.tokens == plain.tokens, (spec, method)
             if spec.adaptive:  # it drafted (an adaptive run may then back off)
@@ -220,6 +230,7 @@ def test_greedy_speculation_equals_plain_decoding(models, requests):
 def test_committed_cache_equals_recomputation(models, requests):
     model, draft, tokenizer = models
     for spec in (Speculation("model", 0, tree=(2, 2)), Speculation("ngram", 4),
+                 Speculation("ngram", 4, trie_nodes=6),
                  Speculation("model", 0, tree=(2, 2), children="without_replacement",
                              method="traversal")):
         result = generate(model, requests, Sampling(1.0, top_k=20), spec, draft_model=draft,
@@ -230,14 +241,15 @@ def test_committed_cache_equals_recomputation(models, requests):
 
 
 @pytest.mark.parametrize("drafter,method", [("ngram", "token"), ("model", "token"),
-                                            ("model", "block")])
+                                            ("model", "block"), ("ngram_trie", "token")])
 def test_first_two_tokens_law(models, drafter, method):
     """20,000 speculative requests; alpha = 1e-3; the reported distance is what the test
     detects with power 0.99. Block verification with the draft model's real q (with an
-    n-gram's one-hot q it is the token law)."""
+    n-gram's one-hot q it is the token law); the n-gram trie as deterministic candidates
+    (its root has several children on this prompt)."""
     from specdec_kernels.e2e.exactness import first_two_tokens_test
     from specdec_kernels.e2e.tasks import encode
-    if method not in E.verify_methods("chain"):
+    if method not in verify_methods("chain"):
         pytest.skip(f"the installed verify_chain has no method {method!r}")
     model, draft, tokenizer = models
     # Block differs from token verification from two drafts on (one draft: the same rule).
@@ -246,14 +258,17 @@ def test_first_two_tokens_law(models, drafter, method):
                                    num_draft=2 if method == "block" else None)
     assert result["passed"], result
     assert result["detectable_distance"] < 0.01
+    if drafter == "ngram_trie":
+        assert result["root_candidates"] >= 2, result
 
 
-def test_first_two_tokens_law_catches_a_planted_bug(models):
+@pytest.mark.parametrize("drafter", ["ngram", "ngram_trie"])
+def test_first_two_tokens_law_catches_a_planted_bug(models, drafter):
     from specdec_kernels.e2e.exactness import first_two_tokens_test
     from specdec_kernels.e2e.tasks import encode
     model, draft, tokenizer = models
     result = first_two_tokens_test(model, draft, encode(tokenizer, EXACTNESS_PROMPT),
-                                   drafter="ngram", samples=20000, planted_bug="rows_one_late")
+                                   drafter=drafter, samples=20000, planted_bug="rows_one_late")
     assert not result["passed"], result
 
 
@@ -290,3 +305,125 @@ def test_small_row_linear_equals_f_linear_and_is_undone():
             assert torch.allclose(model(x), expected, atol=1e-5), x.shape
         use_small_row_linear(model, enable=False)
         assert not any("forward" in m.__dict__ for m in model)
+
+
+def _trie_by_definition(history, ngram_max, max_nodes, max_depth):
+    """The n-gram trie by brute force: the earlier occurrences of the last n tokens
+    (n = ngram_max .. 1, most recent first, each position once, the first 4 * max_nodes),
+    their continuations of up to max_depth tokens inserted in that order as paths from the
+    root, no node past the budget."""
+    starts, seen = [], set()
+    for n in range(min(ngram_max, len(history) - 1), 0, -1):
+        for end in range(len(history) - 2, n - 2, -1):
+            if history[end - n + 1:end + 1] == history[-n:] and end not in seen:
+                seen.add(end)
+                starts.append(end + 1)
+    nodes, tokens, parents = {(): 0}, [history[-1]], [-1]
+    for start in starts[:4 * max_nodes]:
+        continuation = history[start:start + max_depth]
+        for d in range(1, len(continuation) + 1):
+            path = tuple(continuation[:d])
+            if path not in nodes:
+                if len(tokens) - 1 >= max_nodes:
+                    return tokens, parents
+                nodes[path] = len(tokens)
+                tokens.append(continuation[d - 1])
+                parents.append(nodes[path[:-1]])
+    return tokens, parents
+
+
+def test_ngram_trie_equals_the_definition_on_random_histories():
+    import random
+    from specdec_kernels.e2e.drafters import NgramTrieDrafter, match_starts
+    rng, chain = random.Random(1), NgramDrafter(ngram_max=3)
+    for _ in range(1500):
+        alphabet = rng.choice([2, 3, 5, 20])
+        history = [rng.randrange(alphabet) for _ in range(rng.randint(2, 40))]
+        nodes, depth = rng.randint(1, 12), rng.randint(1, 6)
+        trie = NgramTrieDrafter(3, nodes, depth)
+        tokens, parents = trie.trie(history)
+        assert (tokens, parents) == _trie_by_definition(history, 3, nodes, depth)
+        assert len(tokens) - 1 <= nodes and all(0 <= p < i for i, p in
+                                                enumerate(parents) if i)
+        # siblings are distinct; the first path is the chain drafter's proposal
+        assert len({(p, t) for p, t in zip(parents[1:], tokens[1:])}) == len(tokens) - 1
+        starts = match_starts(history, 3, 4 * nodes)
+        first = history[starts[0]:starts[0] + depth] if starts else []
+        assert first == chain.propose(history, depth)
+        assert tokens[1:1 + min(len(first), nodes)] == first[:nodes]
+
+
+def test_trie_plan_and_row_packing():
+    from specdec_kernels.e2e.plans import deterministic_tree_plan
+    from specdec_kernels.e2e.verify import pack_chain_rows, unpack_rows
+    trees = [([9, 5, 6, 7], [-1, 0, 1, 0]), ([3], [-1]), ([4, 8], [-1, 0])]
+    plan = deterministic_tree_plan(trees, torch.tensor([10, 3, 7]))
+    assert plan.is_tree and plan.num_nodes.tolist() == [4, 1, 2]
+    assert plan.tree_tokens().tolist() == [[-1, 5, 6, 7], [-1, -1, -1, -1], [-1, 8, -1, -1]]
+    assert plan.depths == [2, 0, 1] and plan.tree_depth == 2
+    assert plan.depth[0].tolist() == [0, 1, 2, 1]
+    assert plan.visible[0, 2].tolist() == [True, True, True, False]  # node 2's ancestors
+    rows = torch.arange(3 * 4 * 2, dtype=torch.float32).reshape(3, 4, 2)
+    packed = pack_chain_rows(rows, plan.num_nodes)
+    assert packed.shape == (7, 2)
+    unpacked = unpack_rows(packed, plan.num_nodes, 4)
+    for b, n in enumerate(plan.num_nodes.tolist()):
+        assert torch.equal(unpacked[b, :n], rows[b, :n]) and not unpacked[b, n:].any()
+
+
+def test_e2e_modules_import_no_private_names_and_no_cycles():
+    """The restructure (#27): what two modules share is a public name of the lower one, and
+    the package's modules import each other without a cycle."""
+    import ast
+    from pathlib import Path
+    import specdec_kernels.e2e as package
+    folder = Path(package.__file__).parent
+    graph = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps.add(node.module)
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, (path.name, node.module, private)
+        graph[path.stem] = deps
+    done, active = set(), []
+
+    def visit(module):
+        assert module not in active, f"import cycle: {' -> '.join(active + [module])}"
+        if module in done:
+            return
+        active.append(module)
+        for dep in graph.get(module, ()):
+            visit(dep)
+        active.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+    assert max(len(p.read_text().splitlines()) for p in folder.glob("*.py")) <= 450
+
+
+def test_profile_accounts_for_the_wall_time(models, requests):
+    from specdec_kernels.e2e.config import PHASES, Stats
+    model, _, tokenizer = models
+    eos = tokenizer.eos_token_id
+    plain = generate(model, requests[:1], eos_token_id=eos).stats
+    trie = generate(model, requests[:2], Sampling(),
+                    Speculation("ngram", 4, trie_nodes=6), eos_token_id=eos).stats
+    for stats in (plain, trie):
+        assert set(stats.profile) == set(PHASES)
+        assert min(stats.profile.values()) >= 0
+        assert sum(stats.profile.values()) == pytest.approx(stats.wall_s, rel=0.02)
+        assert stats.profile["forward"] > stats.profile["masks"]
+        per_step = stats.profile_ms_per_step()
+        assert sum(per_step.values()) == pytest.approx(1e3 * stats.wall_s / stats.steps,
+                                                       rel=0.02)
+    assert plain.profile["drafting"] < 0.01 * plain.wall_s
+    assert trie.profile["verify_op"] > 0 and trie.profile["compaction"] > 0
+    merged = Stats()
+    merged.merge(plain)
+    merged.merge(trie)
+    assert merged.profile["forward"] == pytest.approx(plain.profile["forward"]
+                                                      + trie.profile["forward"])

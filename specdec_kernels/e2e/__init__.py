@@ -1,7 +1,9 @@
 """Speculative generation on a real model with specdec_kernels' public ops: the decode loop
 (:func:`generate`), drafters (n-gram prompt lookup, a draft model or the target's own first
-layers), request sets and transformers' own decoding as peers. See README "End to end"."""
-from .engine import (Request, Result, Sampling, Speculation, Stats, generate, verify_methods)
+layers), request sets and transformers' own decoding as peers. See docs/e2e.md."""
+from .config import Request, Result, Sampling, Speculation, Stats
+from .engine import generate
+from .verify import verify_methods
 from .model import early_exit_draft, embedded_model, load_model
 
 __all__ = ["Request", "Result", "Sampling", "Speculation", "Stats", "generate",

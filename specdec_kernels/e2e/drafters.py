@@ -1,8 +1,8 @@
-"""Drafters: n-gram prompt lookup (deterministic, one-hot ``q``) and a draft model (any causal
-LM with the target's tokenizer) drafting chains and trees with its real ``q``."""
+"""Drafters: n-gram prompt lookup (deterministic, one-hot ``q``) as a chain or as a trie of
+several matches' continuations, and a draft model (any causal LM with the target's
+tokenizer) drafting chains and trees with its real ``q``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -10,50 +10,11 @@ import torch
 
 import specdec_kernels as sk
 
-from .model import SlotCache, chain_visibility, forward_block
+from .model import SlotCache, chain_visibility, forward_block, prefill
+from .plans import DraftPlan, TreeShape, chain_plan, deterministic_tree_plan
 
 DRAFT_SEED = 0x5EED_D4AF7  # the drafter's sample stream is keyed by seed + this
 NODE_OFFSETS = 1 << 10     # Philox offsets per step for the drafter's nodes
-
-
-@dataclass
-class DraftPlan:
-    """One step's drafts for the live batch. Node 0 is the pending token (the root);
-    ``tokens[:, i - 1]`` is node ``i``'s (``-1``: padding)."""
-    tokens: torch.Tensor                     # [B, N-1]
-    visible: torch.Tensor                    # [B, N, N] node j visible to node i
-    depth: torch.Tensor                      # [B, N]
-    num_draft: Optional[torch.Tensor] = None  # chain: [B] drafts per request
-    draft_logits: Optional[torch.Tensor] = None  # chain: [B, K, V] (None: one-hot q)
-    parents: Optional[torch.Tensor] = None   # tree: [B, N]
-    num_nodes: Optional[torch.Tensor] = None  # tree: [B]
-    draft_probs: Optional[torch.Tensor] = None  # tree: [B, N, V] (None: deterministic)
-    draft_sampling: str = "iid"
-    tree_depth: int = 0
-    accepted_nodes: Optional[torch.Tensor] = None  # filled by verification (trees)
-
-    @property
-    def is_tree(self) -> bool:
-        return self.parents is not None
-
-    def tree_tokens(self) -> torch.Tensor:
-        root = torch.full_like(self.tokens[:, :1], -1)
-        return torch.cat([root, self.tokens], 1)
-
-    def num_drafted(self, row: int) -> int:
-        """Most draft tokens the request can accept this step."""
-        return self.tree_depth if self.is_tree else int(self.num_draft[row])
-
-    def drafted_by_depth(self, row: int) -> list[int]:
-        return [1] * self.num_drafted(row)
-
-
-def _chain_plan(tokens: torch.Tensor, num_draft: torch.Tensor,
-                draft_logits: Optional[torch.Tensor] = None) -> DraftPlan:
-    batch, k = tokens.shape
-    visible, depth = chain_visibility(batch, k + 1, tokens.device)
-    return DraftPlan(tokens=tokens, visible=visible, depth=depth, num_draft=num_draft,
-                     draft_logits=draft_logits)
 
 
 class NgramDrafter:
@@ -64,8 +25,14 @@ class NgramDrafter:
         self.ngram_max = ngram_max
 
     def propose(self, history: Sequence[int], length: int) -> list[int]:
+        return self.propose_with_match(history, length)[0]
+
+    def propose_with_match(self, history: Sequence[int], length: int,
+                           longest: int = 32) -> tuple[list[int], int]:
+        """(the proposal, how many tokens its occurrence matches the history's end by, at
+        most ``longest``: a long match tends to go on being copied)."""
         if length <= 0 or len(history) < 2:
-            return []
+            return [], 0
         tokens = np.asarray(history, dtype=np.int64)
         # Earlier positions p holding the last token; an n-gram match also needs the n - 1
         # tokens before p to equal the history's (one vector compare per extra token).
@@ -75,9 +42,13 @@ class NgramDrafter:
             for back in range(1, n):
                 hits = hits[tokens[hits - back] == tokens[-1 - back]]
             if hits.size:
-                start = int(hits[-1]) + 1
-                return tokens[start:start + length].tolist()
-        return []
+                end = int(hits[-1])
+                match = n
+                while (match < longest and end - match >= 0
+                       and history[end - match] == history[-1 - match]):
+                    match += 1
+                return tokens[end + 1:end + 1 + length].tolist(), match
+        return [], 0
 
     def plan(self, proposals: Sequence[Sequence[int]], device) -> DraftPlan:
         """The chain plan of one proposal per request (``-1`` padded to the longest)."""
@@ -86,28 +57,75 @@ class NgramDrafter:
         for b, p in enumerate(proposals):
             tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         num_draft = torch.tensor([len(p) for p in proposals], dtype=torch.long)
-        return _chain_plan(tokens.to(device), num_draft.to(device))
+        return chain_plan(tokens.to(device), num_draft.to(device))
 
 
-class _TreeShape:
-    """A tree with ``branching[d]`` children per node at depth ``d``, nodes in level order."""
+def match_starts(history: Sequence[int], ngram_max: int, limit: int) -> list[int]:
+    """Where the continuations of the earlier matches of the history's suffix start: for
+    ``n = ngram_max .. 1``, every earlier occurrence of the last ``n`` tokens, most recent
+    first, each position once (an ``n``-gram match is also an ``(n-1)``-gram one), at most
+    ``limit``. The first is :meth:`NgramDrafter.propose`'s."""
+    if len(history) < 2 or limit <= 0:
+        return []
+    tokens = np.asarray(history, dtype=np.int64)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    starts: list[int] = []
+    seen: set = set()
+    for n in range(min(ngram_max, len(tokens) - 1), 0, -1):
+        hits = ends[ends >= n - 1]
+        for back in range(1, n):
+            hits = hits[tokens[hits - back] == tokens[-1 - back]]
+        for end in hits[::-1].tolist():
+            if end not in seen:
+                seen.add(end)
+                starts.append(end + 1)
+                if len(starts) >= limit:
+                    return starts
+    return starts
 
-    def __init__(self, branching: Sequence[int]):
-        self.branching = tuple(int(w) for w in branching)
-        if not self.branching or min(self.branching) < 1:
-            raise ValueError(f"tree: expected children per depth >= 1, got {branching}")
-        parents, levels, level = [-1], [(0, 1)], [0]
-        for width in self.branching:
-            nxt = []
-            for parent in level:
-                for _ in range(width):
-                    nxt.append(len(parents))
-                    parents.append(parent)
-            levels.append((nxt[0], nxt[-1] + 1))
-            level = nxt
-        self.parents = torch.tensor(parents, dtype=torch.long)
-        self.levels = levels  # (first node, end) per depth
-        self.num_nodes = len(parents)
+
+class NgramTrieDrafter:
+    """Prompt lookup as a trie: the continuations (at most ``max_depth`` tokens) of the
+    earlier matches of the recent suffix (:func:`match_starts`: longest ``n`` first, then
+    most recent; the first ``4 * max_nodes`` of them) merged into one tree, nodes added in
+    that order until ``max_nodes`` draft nodes. Its first path is the chain drafter's proposal, so greedy decoding accepts at
+    least what the chain would; siblings are distinct tokens, earlier matches first (the
+    order ``sk.verify_tree`` tries deterministic candidates in)."""
+
+    def __init__(self, ngram_max: int = 3, max_nodes: int = 16, max_depth: int = 8):
+        if max_nodes < 1 or max_depth < 1:
+            raise ValueError(f"trie_nodes / num_draft_tokens: expected >= 1, got "
+                             f"{max_nodes} / {max_depth}")
+        self.ngram_max, self.max_nodes, self.max_depth = ngram_max, max_nodes, max_depth
+
+    def trie(self, history: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(tokens, parents) with the root (the last history token) as node 0."""
+        tokens, parents = [int(history[-1]) if history else -1], [-1]
+        children: list[dict] = [{}]
+        # Each match adds at least one node or repeats a path: a few more than the budget.
+        for start in match_starts(history, self.ngram_max, 4 * self.max_nodes):
+            node = 0
+            for token in history[start:start + self.max_depth]:
+                child = children[node].get(token)
+                if child is None:
+                    if len(tokens) > self.max_nodes:
+                        return tokens, parents
+                    child = len(tokens)
+                    children[node][token] = child
+                    children.append({})
+                    tokens.append(int(token))
+                    parents.append(node)
+                node = child
+            if len(tokens) > self.max_nodes:
+                break
+        return tokens, parents
+
+    def plan(self, histories: Sequence[Sequence[int]], kv_lens) -> Optional[DraftPlan]:
+        """One trie per request (``None``: no request has a match)."""
+        tries = [self.trie(h) for h in histories]
+        if all(len(t) == 1 for t, _ in tries):
+            return None
+        return deterministic_tree_plan(tries, kv_lens)
 
 
 class ModelDrafter:
@@ -117,19 +135,18 @@ class ModelDrafter:
 
     def __init__(self, model, prompts: Sequence[Sequence[int]], capacity: int, device,
                  sampling, spec, seed: int = 0):
-        from .engine import _prefill  # the same prefill as the target's
         self.model, self.sampling, self.spec = model, sampling, spec
         self.cache = SlotCache(len(prompts), capacity)
-        self.draft_lens = _prefill(model, self.cache, [list(p) for p in prompts], device)
+        self.draft_lens = prefill(model, self.cache, [list(p) for p in prompts], device)
         self.backlog: list[list[int]] = [[] for _ in prompts]
         # Sampled tree children (torch.multinomial); chains use sk.sample's Philox stream.
         self.generator = torch.Generator(device=device).manual_seed(seed + DRAFT_SEED)
         self._shapes: dict = {}
 
-    def _shape(self, branching) -> _TreeShape:
+    def _shape(self, branching) -> TreeShape:
         key = tuple(branching)
         if key not in self._shapes:
-            self._shapes[key] = _TreeShape(key)
+            self._shapes[key] = TreeShape(key)
         return self._shapes[key]
 
     def _root_logits(self, kv_lens, pending) -> torch.Tensor:

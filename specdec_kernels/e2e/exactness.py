@@ -6,7 +6,8 @@ Running the whole loop 20,000 times is out of reach on a CPU, and unnecessary: w
 5 first tokens, and the draft paths below them). Their target and draft logit rows are
 computed by the real model once, then many requests take the speculative steps together
 through the loop's own pieces (:class:`NgramDrafter`, ``sk.sample`` for the draft model's
-drafts, the engine's ``_verify``) until each has two tokens. Rows are restricted to the
+drafts, the n-gram trie as a tree of deterministic candidates, the loop's ``verify_step``)
+until each has two tokens. Rows are restricted to the
 union of every row's top 5 and the drafted ids: top-k = 5 over that sub-vocabulary is the
 same distribution as over the full one, so the law is unchanged.
 """
@@ -19,9 +20,11 @@ import torch
 
 import specdec_kernels as sk
 
-from .drafters import DRAFT_SEED, NgramDrafter, _chain_plan
-from .engine import Sampling, Speculation, _prefill, _verify, pack_chain_rows
-from .model import SlotCache, forward_block
+from .config import Sampling, Speculation
+from .drafters import DRAFT_SEED, NgramDrafter, NgramTrieDrafter
+from .model import SlotCache, forward_block, prefill
+from .plans import chain_plan, deterministic_tree_plan
+from .verify import pack_chain_rows, verify_step
 
 TOP_K = 5
 
@@ -40,7 +43,7 @@ def _rows(model, prompt: tuple[int, ...], prefixes) -> dict:
                 tokens.append(suffix[end - 1])
                 parents.append(nodes[suffix[:end - 1]])
     cache = SlotCache(1, len(prompt) + len(tokens) + 1)
-    _prefill(model, cache, [list(prompt)], device)
+    prefill(model, cache, [list(prompt)], device)
     tree = sk.build_tree_attention(torch.tensor([parents], device=device))
     logits = forward_block(model, cache, torch.tensor([tokens], device=device),
                            torch.tensor([len(prompt) - 1], device=device), tree.mask,
@@ -52,9 +55,9 @@ class RowTable:
     """Logit rows of the target (and draft) after every prefix the test can reach."""
 
     def __init__(self, target, draft, prompt: list[int], num_draft: int, drafter: str,
-                 ngram: NgramDrafter):
+                 ngram: NgramDrafter, trie: Optional[NgramTrieDrafter] = None):
         prompt = tuple(prompt)
-        self.prompt, self.num_draft, self.drafter = prompt, num_draft, drafter
+        self.prompt, self.num_draft, self.drafter, self.trie = prompt, num_draft, drafter, trie
         target_rows = _rows(target, prompt, [prompt])
         firsts = target_rows[prompt].topk(TOP_K).indices.tolist()
         draft_rows: dict = {}
@@ -72,6 +75,14 @@ class RowTable:
                 for d in draft_rows[p].topk(TOP_K).indices.tolist():
                     needed.add(p + (d,))
             needed |= set(draft_rows)
+        elif drafter == "ngram_trie":  # every node's path below the prompt and prompt + x1
+            needed = set()
+            for root in [prompt] + [prompt + (x,) for x in firsts]:
+                tokens, parents = trie.trie(list(root))
+                paths = [root]
+                for i in range(1, len(tokens)):
+                    paths.append(paths[parents[i]] + (tokens[i],))
+                needed.update(paths)
         else:
             needed = {prompt}
             for root in [prompt] + [prompt + (x,) for x in firsts]:
@@ -114,6 +125,8 @@ def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: i
     batch = len(prefixes)
     sampling = Sampling(temperature=1.0, top_k=TOP_K)
     vocab = len(table.vocab)
+    if table.drafter == "ngram_trie":
+        return _trie_step(table, prefixes, seeds, offset, sampling, method, planted_bug)
     drafts = torch.full((batch, k), -1, dtype=torch.long)
     draft_logits = None
     paths = [list(p) for p in prefixes]
@@ -143,8 +156,8 @@ def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: i
         base = len(prefixes[b])
         for j in range(int(num_draft[b]) + 1):
             logits[b, j] = table.target[tuple(paths[b][:base + j])]
-    plan = _chain_plan(drafts, num_draft, draft_logits)
-    out, num_accepted, _ = _verify(pack_chain_rows(logits, num_draft + 1), plan, None,
+    plan = chain_plan(drafts, num_draft, draft_logits)
+    out, num_accepted, _ = verify_step(pack_chain_rows(logits, num_draft + 1), plan, None,
                                    torch.zeros(batch, dtype=torch.long), sampling,
                                    Speculation(method=method), seeds,
                                    torch.full((batch,), offset, dtype=torch.long), planted_bug)
@@ -152,6 +165,35 @@ def _step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: i
     for b in range(batch):
         emitted.append([table.vocab[t] for t in out[b, :int(num_accepted[b]) + 1].tolist()])
     return emitted
+
+
+def _trie_step(table: RowTable, prefixes: list[tuple], seeds: torch.Tensor, offset: int,
+               sampling: Sampling, method: str, planted_bug: Optional[str] = None):
+    """One step with the n-gram trie: a tree of deterministic candidates per request
+    (planted ``"rows_one_late"``: node ``i`` is checked against node ``i + 1``'s row)."""
+    tries, paths = {}, {}
+    for prefix in set(prefixes):
+        tokens, parents = table.trie.trie(list(prefix))
+        node_paths = [prefix]
+        for i in range(1, len(tokens)):
+            node_paths.append(node_paths[parents[i]] + (tokens[i],))
+        local = [-1] + [table.index[t] for t in tokens[1:]]
+        tries[prefix], paths[prefix] = (local, parents), node_paths
+    batch = len(prefixes)
+    zeros = torch.zeros(batch, dtype=torch.long)
+    plan = deterministic_tree_plan([tries[p] for p in prefixes], zeros)
+    width = plan.parents.shape[1]
+    late = planted_bug == "rows_one_late"
+    rows = {p: torch.stack([table.target[paths[p][min(i + late, len(paths[p]) - 1)]]
+                            for i in range(len(paths[p]))]) for p in tries}
+    logits = torch.zeros(batch, width, len(table.vocab))
+    for b, p in enumerate(prefixes):
+        logits[b, :rows[p].shape[0]] = rows[p]
+    out, num_accepted, _ = verify_step(logits, plan, None, zeros, sampling,
+                                       Speculation(method=method), seeds,
+                                       torch.full((batch,), offset, dtype=torch.long))
+    return [[table.vocab[t] for t in out[b, :int(num_accepted[b]) + 1].tolist()]
+            for b in range(batch)]
 
 
 def sampled_law(table: RowTable, samples: int, *, seed: int = 0,
@@ -225,15 +267,20 @@ def chi_square(counts: np.ndarray, law: np.ndarray, *, alpha: float = 1e-3,
 def first_two_tokens_test(target, draft, prompt: list[int], *, drafter: str,
                           num_draft: Optional[int] = None, samples: int = 20000,
                           planted_bug: Optional[str] = None, alpha: float = 1e-3,
-                          method: str = "token") -> dict:
+                          method: str = "token", trie_nodes: int = 8) -> dict:
+    """``drafter``: ``"ngram"``, ``"model"`` or ``"ngram_trie"`` (a trie of at most
+    ``trie_nodes`` nodes, depth ``num_draft``)."""
     if num_draft is None:  # the draft model's paths multiply the rows needed: one draft
         num_draft = 1 if drafter == "model" else 2
-    table = RowTable(target, draft, prompt, num_draft, drafter, NgramDrafter())
+    trie = NgramTrieDrafter(max_nodes=trie_nodes, max_depth=num_draft)
+    table = RowTable(target, draft, prompt, num_draft, drafter, NgramDrafter(), trie)
     law = exact_law(table)
     counts, outside = sampled_law(table, samples, planted_bug=planted_bug, method=method)
     result = chi_square(counts, law, alpha=alpha)
     if outside:  # a pair the exact law gives probability 0
         result["p_value"] = 0.0
+    if drafter == "ngram_trie":
+        result["root_candidates"] = trie.trie(list(prompt))[1].count(0)
     result.update(drafter=drafter, method=method, num_draft=num_draft, planted_bug=planted_bug,
                   outside_support=outside, vocab_rows=len(table.vocab),
                   passed=result["p_value"] > alpha)

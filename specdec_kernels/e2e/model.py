@@ -16,6 +16,7 @@ import contextvars
 import copy
 import importlib.util
 import os
+import time
 import types
 import weakref
 from dataclasses import dataclass
@@ -164,8 +165,10 @@ class SlotCache:
         self.write_start: Optional[int] = None  # batch 1: the first of them (a slice copy)
         self.write_rows: Optional[torch.Tensor] = None  # packed forward: [T] request of row t
         self.width = 0
+        self.write_seconds = 0.0  # time in update (forward_block's "cache_writes")
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        start = time.perf_counter()
         if self.write_rows is not None:  # packed: [1, H, T, D], row t -> its request's slot
             batch, heads, dim = self.batch, key_states.shape[1], key_states.shape[3]
         else:
@@ -189,6 +192,7 @@ class SlotCache:
                                                               keys.shape[3])
             keys.scatter_(2, index, key_states.to(keys.dtype))
             values.scatter_(2, index, value_states.to(values.dtype))
+        self.write_seconds += time.perf_counter() - start
         return keys[:, :, :self.width], values[:, :, :self.width]
 
     def get_seq_length(self, layer_idx=0) -> int:
@@ -322,7 +326,8 @@ def our_attention(model):
 def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.Tensor,
                   visible: torch.Tensor, depth: torch.Tensor,
                   rows: Optional[torch.Tensor] = None, write_offset: int = 0,
-                  lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  lengths: Optional[torch.Tensor] = None,
+                  profile: Optional[dict] = None) -> torch.Tensor:
     """One forward of ``n`` new positions per request; returns their logits ``[B, n, V]``.
 
     Args:
@@ -341,7 +346,10 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
             ``sum(lengths)`` rows rather than ``B * n`` (on a CPU a verify forward costs about
             its row count); returns the packed logits ``[sum(lengths), V]``, request-major
             (``verify_chain_packed``'s row order). Not with ``rows``.
+        profile: optional seconds per phase (:data:`~.config.PHASES`): adds this call's
+            ``masks`` (masks and position ids), ``cache_writes`` and ``forward`` (the rest).
     """
+    start = time.perf_counter()
     batch, n = tokens.shape
     device = tokens.device
     if lengths is not None and (rows is not None or not 1 <= int(lengths.min())
@@ -352,7 +360,7 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
         used = int(lengths[0])
         return forward_block(model, cache, tokens[:, :used], kv_lens,
                              visible[:, :used, :write_offset + used], depth[:, :used],
-                             write_offset=write_offset)[0]
+                             write_offset=write_offset, profile=profile)[0]
     span = write_offset + n
     width = int(kv_lens.max()) + span
     if width > cache.capacity:
@@ -385,6 +393,7 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
         cache.write_index = cache.write_index[valid]
         tokens, position_ids = tokens[valid][None], position_ids[valid][None]
     token = _PACKED.set(packed)
+    model_start, writes_before = time.perf_counter(), cache.write_seconds
     try:
         with our_attention(model):
             hidden = model.base_model(input_ids=tokens, attention_mask=mask,
@@ -394,10 +403,16 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
         _PACKED.reset(token)
         cache.write_rows = None
     if packed is not None:
-        return model.get_output_embeddings()(hidden[0]).float()
-    if rows is not None:
+        hidden = hidden[0]
+    elif rows is not None:
         hidden = hidden.gather(1, rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
-    return model.get_output_embeddings()(hidden).float()
+    logits = model.get_output_embeddings()(hidden).float()
+    if profile is not None:
+        writes = cache.write_seconds - writes_before
+        profile["masks"] += model_start - start
+        profile["cache_writes"] += writes
+        profile["forward"] += time.perf_counter() - model_start - writes
+    return logits
 
 
 def chain_visibility(batch: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,3 +420,17 @@ def chain_visibility(batch: int, n: int, device) -> tuple[torch.Tensor, torch.Te
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     depth = torch.arange(n, device=device)
     return causal.expand(batch, n, n), depth.expand(batch, n)
+
+
+def prefill(model, cache: SlotCache, prompts: list[list[int]], device) -> torch.Tensor:
+    """Write each prompt but its last token; returns kv_lens (that token becomes pending)."""
+    lengths = [len(p) - 1 for p in prompts]
+    width = max(max(lengths), 1)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p) - 1] = torch.tensor(p[:-1], dtype=torch.long)
+    kv_lens = torch.zeros(len(prompts), dtype=torch.long, device=device)
+    visible, depth = chain_visibility(len(prompts), width, device)
+    forward_block(model, cache, tokens, kv_lens, visible, depth,
+                  rows=torch.zeros(len(prompts), 1, dtype=torch.long, device=device))
+    return torch.tensor(lengths, dtype=torch.long, device=device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+from .config import Request
+
 _RECORDS = [
     {"id": 1042, "name": "Ada Lovelace", "role": "analyst", "active": True,
      "languages": ["English", "French"], "city": "London"},
@@ -94,7 +96,6 @@ TASKS = {
 def task_requests(tokenizer, task: str, count: int = None, *, max_new_tokens: int = None,
                   seed: int = 0):
     """The task's requests (prompt ids through the tokenizer's chat template)."""
-    from .engine import Request
     if task not in TASKS:
         raise ValueError(f"task: expected one of {sorted(TASKS)}, got {task!r}")
     entry = TASKS[task]
