@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import importlib
 import importlib.util
 import numbers
@@ -210,15 +209,14 @@ class SamplerOutput(NamedTuple):
     logprobs_tensors: Optional[LogprobsTensors] = None
 
 
-@functools.lru_cache(maxsize=None)
 def _vllm_types():
-    """vLLM's ``SamplerOutput`` / ``LogprobsTensors`` when vLLM is importable, else ours."""
-    try:
-        from vllm.v1.outputs import LogprobsTensors as vllm_logprobs
-        from vllm.v1.outputs import SamplerOutput as vllm_output
-    except ImportError:
+    """vLLM's ``SamplerOutput`` / ``LogprobsTensors`` when vLLM's ``vllm.v1.outputs`` is loaded
+    (an engine that calls us has imported it), else ours. Looked up in ``sys.modules``, not
+    imported: an import inside the step would break ``torch.compile``'s graph."""
+    outputs = sys.modules.get("vllm.v1.outputs")
+    if outputs is None:
         return SamplerOutput, LogprobsTensors
-    return vllm_output, vllm_logprobs
+    return outputs.SamplerOutput, outputs.LogprobsTensors
 
 
 _VLLM_MODULE = "vllm.v1.sample.rejection_sampler"
