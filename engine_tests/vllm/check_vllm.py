@@ -159,5 +159,24 @@ except Exception as error:  # noqa: BLE001
     print(f"MRV2 comparison did not run: {type(error).__name__}: {error}")
     failures.append("MRV2 comparison did not run")
 
+# --- MRV2's class: docs/engines.md's swap line, then MRV2's construction
+try:
+    import vllm.v1.worker.gpu.spec_decode.rejection_sampler as mrv2
+    vllm_mrv2_class = mrv2.RejectionSampler
+    mrv2.RejectionSampler = vllm_mrv2.RejectionSampler  # docs/engines.md
+    mrv2_config = types.SimpleNamespace(
+        num_speculative_tokens=3, enable_adaptive_verification=False,
+        rejection_sample_method="block", fly_entropy_threshold=0.3, fly_entropy_top_k=3,
+        fly_window_size=None, synthetic_acceptance_rates=None)
+    built = mrv2.RejectionSampler(None, mrv2_config, device)
+    ok = isinstance(built, vllm_mrv2_class) and type(built)._verify is not vllm_mrv2_class._verify
+    print(f"MRV2 RejectionSampler(sampler, spec_config, device) after the swap: vLLM's class "
+          f"with our _verify: {ok}, block verification: {built.use_block_verification}")
+    if not ok:
+        failures.append("MRV2 class construction")
+except Exception as error:  # noqa: BLE001
+    print(f"MRV2 class construction did not run: {type(error).__name__}: {error}")
+    failures.append("MRV2 class construction")
+
 print("FAILED: " + "; ".join(failures) if failures else "OK")
 sys.exit(1 if failures else 0)
