@@ -123,10 +123,10 @@ def triton_refuses(op: str, device: str = "cpu") -> frozenset:
 # changes: every file still runs whole, on one worker.
 COSTLIEST_FIRST = (
     "test_triton_compile.py",   # one subprocess compiling every kernel for sm_80 and sm_90
-    "test_triton_sampling.py", "test_e2e.py", "test_testing_toolkit.py", "test_dropin.py",
-    "test_triton_chain.py", "test_triton_dropin.py", "test_triton_tree.py", "test_chain_api.py",
-    "test_triton_methods.py", "test_adapters.py", "test_fuzz_backends.py", "test_cpu_path.py",
-    "test_kv_cache.py", "test_rng_tails.py",
+    "test_triton_chain.py", "test_triton_sampling.py", "test_triton_tree.py", "test_e2e.py",
+    "test_triton_dropin.py", "test_testing_toolkit.py", "test_dropin.py", "test_chain_api.py",
+    "test_triton_methods.py", "test_rng_tails.py", "test_adapters.py", "test_cpu_path.py",
+    "test_kv_cache.py", "test_peer_failure_classes.py", "test_fuzz_backends.py",
 )
 
 
