@@ -47,6 +47,7 @@ def _extension():
         "csrc/core/tree_attention.cpp",
         "csrc/core/kv_cache.cpp",
         "csrc/core/sampling_cpu.cpp",
+        "csrc/core/sampling_cpu_avx2.cpp",
         "csrc/core/sampling_cpu_avx512.cpp",
         "csrc/torch/ops.cpp",
         "csrc/torch/ops_sampling_cpu.cpp",
@@ -55,7 +56,9 @@ def _extension():
     include_dirs = [str(ROOT / "csrc" / "core"), str(ROOT / "csrc" / "torch")]
     # No -std flag: torch.utils.cpp_extension adds the standard its headers need (C++20 in
     # recent releases, C++17 in older ones); the core itself is plain C++17.
-    cxx_flags = ["-O3"]
+    # -ffp-contract=off: no a * b + c fused into one rounding anywhere (the instruction-set
+    # builds of the CPU path must round alike; the files also say so in a pragma).
+    cxx_flags = ["-O3", "-ffp-contract=off"]
     if CUDA_HOME is not None:
         return CUDAExtension(
             "specdec_kernels._C",

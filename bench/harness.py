@@ -169,10 +169,11 @@ class Environment:
     timestamp: str
     copy_bw_gbps: float = float("nan")
     l2_bytes: int = 0
+    cpu_isa: str = ""  # the C++ CPU path's instruction-set build (specdec_kernels._cpu.isa)
 
     def row_fields(self) -> dict:
         return {
-            "device": self.device.type, "device_name": self.device_name,
+            "device": self.device.type, "device_name": self.device_name, "cpu_isa": self.cpu_isa,
             "torch": self.torch, "triton": self.triton, "git_commit": self.git_commit,
             "git_dirty": self.git_dirty, "host": self.host, "timestamp": self.timestamp,
             "copy_bw_gbps": round(self.copy_bw_gbps, 2),
@@ -185,7 +186,16 @@ def environment(device: torch.device) -> Environment:
         device=device, device_name=device_name(device), torch=torch.__version__,
         triton=triton_version(), git_commit=commit, git_dirty=dirty, host=platform.node(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        l2_bytes=l2_bytes(device))
+        l2_bytes=l2_bytes(device), cpu_isa=cpu_isa())
+
+
+def cpu_isa() -> str:
+    """The build the C++ CPU path runs here ("baseline", "avx2", "avx512"; "none" unbuilt)."""
+    try:
+        from specdec_kernels import _cpu  # noqa: PLC0415
+        return _cpu.isa()
+    except Exception:  # noqa: BLE001 -- the bench runs without the package's extension too
+        return "none"
 
 
 # ---------------------------------------------------------------------------------------------

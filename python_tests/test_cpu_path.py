@@ -537,3 +537,80 @@ def test_cpp_traversal_tokens_follow_target(monkeypatch, mode):
     sd = float(accepted.std()) / batch ** 0.5
     assert abs(float(accepted.mean()) - exact.mean_accepted) <= \
         stats.norm.isf(bt.TRAVERSAL_ALPHA / 2) * sd
+
+
+# ---- instruction-set builds (issue 28): the same answers, bit for bit ----
+def _every_build(call):
+    """``call()``'s result under each build this processor runs (the build chosen before is
+    restored)."""
+    before = _cpu.isa()
+    try:
+        return {isa: (_cpu.set_isa(isa), call())[1] for isa in _cpu.ISAS
+                if _cpu.isa_supported(isa)}
+    finally:
+        _cpu.set_isa(before)
+
+
+def _same(results):
+    first = next(iter(results.values()))
+    for isa, result in results.items():
+        for a, b in zip(first, result):
+            if a is None:
+                assert b is None
+            else:  # bit for bit, NaN included
+                assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
+                                   b.view(torch.int32) if b.is_floating_point() else b), isa
+
+
+def test_instruction_set_builds_agree_bit_for_bit():
+    """Every build (baseline, AVX2 + FMA, AVX-512: those this machine runs; the dispatcher
+    picks the best) gives identical tokens, counts, log-probabilities and probabilities:
+    the same float operations, no FMA contraction. Mixed filters, a bitmask, subnormal
+    probabilities, ragged vocabularies (tails shorter than a vector)."""
+    gen = torch.Generator().manual_seed(28)
+    assert _cpu.isa() in _cpu.ISAS and _cpu.isa_supported("baseline")
+    for vocab, dtype in ((7, torch.float32), (3001, torch.bfloat16), (4099, torch.float32),
+                         (2053, torch.float16)):
+        batch, drafts = 10, 3
+        target, draft_logits, ids = _inputs(batch, drafts, vocab, dtype, gen, scale=12.0)
+        params = dict(mixed_params(batch, vocab, gen),
+                      min_p=torch.where(torch.arange(batch) % 3 == 0, 0.05, 0.0),
+                      seed=torch.arange(batch), offset=3)
+        mask = torch.randint(-2**31, 2**31 - 1, (batch, drafts + 1, (vocab + 31) // 32),
+                             generator=gen, dtype=torch.int32)
+        probs = torch.softmax(torch.randn(batch, drafts, vocab, generator=gen), -1)
+        _same(_every_build(lambda: tuple(sk.verify_chain(
+            target, ids, draft_logits=draft_logits, token_bitmask=mask, return_logprobs="raw",
+            **params))))
+        _same(_every_build(lambda: tuple(sk.verify_chain(
+            target, ids, draft_probs=probs.to(dtype), method="block",
+            return_logprobs="processed", **params))))
+        tree_ids = torch.cat([torch.full((batch, 1), -1), ids], 1)
+        parents = torch.tensor([[-1, 0, 0, 1]] * batch)
+        _same(_every_build(lambda: tuple(sk.verify_tree(
+            target, tree_ids, parents, draft_probs=torch.softmax(target.float(), -1),
+            draft_sampling="without_replacement", method="traversal",
+            return_logprobs="processed", **params))))
+        rows = target[:, 0].contiguous()
+        _same(_every_build(lambda: tuple(sk.sample(rows, token_bitmask=mask[:, 0],
+                                                   return_logprobs="processed", **params))))
+        parsed = _params.sampling_params(params["temperature"], params["top_k"],
+                                         params["top_p"], min_p=params["min_p"], batch=batch,
+                                         vocab_size=vocab, device=torch.device("cpu"),
+                                         validate=True)
+        _same(_every_build(lambda: (_cpu.processed_probs(rows, parsed, mask[:, 0]),)))
+
+
+def test_forcing_a_build_by_environment():
+    """SPECDEC_CPU_ISA picks the build at import; a build the processor cannot run, or an
+    unknown name, is a ValueError naming the variable's value."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    code = "from specdec_kernels import _cpu; print(_cpu.isa())"
+    env = dict(os.environ, SPECDEC_CPU_ISA="baseline")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "baseline", out.stderr[-2000:]
+    env["SPECDEC_CPU_ISA"] = "sse9"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "ValueError" in out.stderr and "sse9" in out.stderr

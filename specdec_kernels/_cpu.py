@@ -12,6 +12,8 @@ parsed (``_params``) and validated as for the other backends.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _extension
@@ -32,6 +34,54 @@ def _registered() -> bool:
 
 
 AVAILABLE = _extension.HAS_EXTENSION and _registered()
+
+# The instruction-set builds of the C++ path (csrc/core/sampling_cpu*.cpp), as PyTorch's own
+# CPU kernels dispatch DEFAULT / AVX2 / AVX512: every build gives the same tokens.
+ISAS = ("baseline", "avx2", "avx512")
+ISA_ENV = "SPECDEC_CPU_ISA"
+
+
+def _has_isa_op() -> bool:
+    return AVAILABLE and hasattr(torch.ops.specdec, "cpu_isa")  # (an older build lacks it)
+
+
+def isa() -> str:
+    """The build the C++ path runs now: ``"baseline"``, ``"avx2"`` or ``"avx512"`` (the best
+    the processor has, unless ``SPECDEC_CPU_ISA`` or :func:`set_isa` chose another);
+    ``"none"`` without the extension."""
+    if not _has_isa_op():
+        return "none"
+    return torch.ops.specdec.cpu_isa("")
+
+
+def isa_supported(name: str) -> bool:
+    """Whether this processor runs the build ``name``."""
+    return name in ISAS and _has_isa_op() and torch.ops.specdec.cpu_isa_supported(name)
+
+
+def set_isa(name: str) -> str:
+    """Switches the C++ path to the build ``name`` (tests and benchmarks compare them);
+    returns the previous one. ``ValueError`` for an unknown name or one this processor cannot
+    run."""
+    if name not in ISAS:
+        raise ValueError(f"isa: expected one of {ISAS}, got {name!r}")
+    before = isa()
+    if not isa_supported(name):
+        raise ValueError(f"isa: this processor cannot run the {name!r} build (it runs "
+                         f"{[i for i in ISAS if isa_supported(i)]})")
+    torch.ops.specdec.cpu_isa(name)
+    return before
+
+
+def _check_isa_env() -> None:
+    """``SPECDEC_CPU_ISA`` names a build this processor runs, or is unset (the C++ core
+    honours a valid value by itself; a bad one is an error here, not a silent fallback)."""
+    requested = os.environ.get(ISA_ENV)
+    if requested and _has_isa_op() and isa() != requested:
+        set_isa(requested)  # raises the ValueError naming the builds this processor runs
+
+
+_check_isa_env()
 
 
 def selected(backend: str, device: torch.device) -> bool:

@@ -32,6 +32,17 @@ float word_uniform(uint32_t word);
 // -log1p(-u) by Goldberg's formula (u itself where 1 - u rounds to 1).
 float uniform_noise(float u);
 
+// ---- instruction-set builds ----
+// The build the ops run: "baseline" (any processor; vectorised for what the compiler targets:
+// SSE2 on x86-64, NEON on aarch64), "avx2" (AVX2 + FMA + BMI2 + F16C) or "avx512" (+ AVX-512
+// F/BW/VL/DQ): at first use the best the processor has, or SPECDEC_CPU_ISA's value when the
+// processor runs it. Every build gives the same tokens (the same float operations).
+const char* isa();
+bool isa_supported(const char* name);
+// Switches every later call to that build (for tests and benchmarks); false, and no change,
+// for a name that is unknown or that the processor cannot run.
+bool set_isa(const char* name);
+
 // ---- rows ----
 enum class Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 

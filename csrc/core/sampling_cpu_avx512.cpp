@@ -1,5 +1,6 @@
 // The CPU sampling path compiled for AVX-512 (16 floats per instruction); sampling_cpu.cpp
-// calls it when the processor has AVX-512F/BW/VL (checked at run time).
+// calls it when the processor has AVX-512F/BW/VL/DQ (checked at run time), unless
+// SPECDEC_CPU_ISA asks for another build.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "harness.h"
@@ -63,6 +64,12 @@ void test_uniform_and_noise_edges() {
   }
   CHECK(finite);
   CHECK(monotone);
+}
+
+uint32_t float_bits_of(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return bits;
 }
 
 uint16_t half_bits(float x) {  // exact halves only (test inputs)
@@ -304,6 +311,63 @@ void test_verify_tree_known_answers_and_garbage() {
   }
 }
 
+// Issue 28: subnormal probabilities are kept, a top_p of 0 (a tiny top_p rounded to float32)
+// keeps the arg-max and its ties, and every instruction-set build gives the same numbers.
+void test_one_law_edges_and_builds() {
+  Scratch scratch;
+  const std::vector<float> x = {0.0f, -90.0f, -100.0f, -103.0f, -110.0f};
+  const RowView row{x.data(), Dtype::kFloat32, static_cast<int64_t>(x.size()), nullptr};
+  Filters plain;
+  const RowStats s = row_stats(row, plain, scratch);
+  for (int64_t i = 0; i < 5; ++i) {
+    const double exact = std::exp(static_cast<double>(x[i])) / s.norm;
+    const float p = row_prob(row, s, i);
+    CHECK((p > 0.0f) == (i != 4));  // exp(-110) rounds to 0 in float32, exp(-103) does not
+    if (i != 4) CHECK(std::fabs(p - exact) <= 1e-6 * exact + 1.5e-45);
+  }
+  const std::vector<float> y = {0.0f, -1.0f, 0.0f, -2.0f};
+  const RowView tied{y.data(), Dtype::kFloat32, 4, nullptr};
+  Filters tiny_top_p;
+  tiny_top_p.top_p = 0.0f;  // 1e-50 in float32
+  const RowStats t = row_stats(tied, tiny_top_p, scratch);
+  for (int64_t i = 0; i < 4; ++i) {
+    CHECK((row_prob(tied, t, i) > 0.0f) == (i == 0 || i == 2));  // the arg-max and its tie
+  }
+  CHECK(row_prob(tied, t, 0) == 0.5f);
+  // The builds: the same tokens from sample on a row mixing filters, for each build here.
+  CHECK(isa_supported("baseline") && !isa_supported("sse9") && !set_isa("sse9"));
+  const std::string chosen = isa();
+  const int64_t batch = 8, vocab = 3001;
+  std::mt19937 rng(28);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  std::vector<float> logits(batch * vocab);
+  for (auto& v : logits) v = normal(rng);
+  const float temperature[batch] = {1.0f, 0.7f, 1.0f, 2.0f, 1e8f, 1.0f, 0.3f, 1.0f};
+  const int32_t top_k[batch] = {0, 50, 0, 7, 0, 0, 3, 0};
+  const float top_p[batch] = {1.0f, 1.0f, 0.9f, 0.5f, 0.3f, 0.0f, 1.0f, 0.999f};
+  const float min_p[batch] = {0.0f, 0.0f, 0.1f, 0.0f, 0.0f, 0.0f, 0.0f, 0.05f};
+  const int64_t seed[batch] = {1, 2, 3, 4, 5, 6, 7, 8}, offset[batch] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::vector<int32_t> first;
+  for (const char* name : {"baseline", "avx2", "avx512"}) {
+    if (!set_isa(name)) continue;
+    std::vector<int32_t> tokens(batch);
+    std::vector<float> logprobs(batch);
+    SampleArgs a;
+    a.batch = batch;
+    a.vocab = vocab;
+    a.logits = logits.data();
+    a.params = RequestParams{temperature, top_k, top_p, min_p, seed, offset};
+    a.logprobs_kind = Logprobs::kProcessed;
+    a.tokens = tokens.data();
+    a.logprobs = logprobs.data();
+    sample(a, 0, batch);
+    for (float& lp : logprobs) tokens.push_back(static_cast<int32_t>(float_bits_of(lp)));
+    if (first.empty()) first = tokens;
+    CHECK(tokens == first);
+  }
+  CHECK(set_isa(chosen.c_str()));
+}
+
 }  // namespace
 
 int main() {
@@ -313,5 +377,6 @@ int main() {
   test_filters_match_sorting();
   test_verify_and_sample_known_answers();
   test_verify_tree_known_answers_and_garbage();
+  test_one_law_edges_and_builds();
   TEST_MAIN_RETURN();
 }

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -356,6 +357,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_random_words(
   return {words, uniform, noise};
 }
 
+// The instruction-set build the CPU ops run (""), or switch to `isa` first ("baseline",
+// "avx2", "avx512"; an error for one this processor cannot run). Returns the build in effect.
+std::string cpu_isa(c10::string_view isa) {
+  if (!isa.empty()) {
+    const std::string name(isa);
+    TORCH_CHECK(cpu::set_isa(name.c_str()), "SPECDEC_CPU_ISA / cpu_isa: '", name,
+                "' is not a build this processor runs (baseline, avx2, avx512)");
+  }
+  return cpu::isa();
+}
+
+// Whether this processor runs the build `isa` (nothing changes).
+bool cpu_isa_supported(c10::string_view isa) {
+  return cpu::isa_supported(std::string(isa).c_str());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
@@ -383,6 +400,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def(
       "cpu_random_words(Tensor seed, Tensor offset, Tensor position, int purpose, Tensor index) "
       "-> (Tensor, Tensor, Tensor)");
+  m.def("cpu_isa(str isa) -> str", &cpu_isa);  // no tensor argument: catch-all kernels
+  m.def("cpu_isa_supported(str isa) -> bool", &cpu_isa_supported);
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

@@ -99,6 +99,16 @@ def chain_outcome(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tens
     return num_accepted, torch.where(use_residual[:, None], residual, p_last)
 
 
+def without_distribution(final_token: torch.Tensor, p: torch.Tensor,
+                         row: torch.Tensor) -> torch.Tensor:
+    """``-1`` where the final token's row ``p[b, row[b]]`` has no finite logit (contract
+    section 7), else ``final_token``. Only unvalidated input reaches this with a token: a
+    draft row with negative entries (``validate=False``) gives the residual ``max(0 - q, 0)``
+    mass where the target has none, and a row without a distribution emits nothing."""
+    has_finite = p.gather(1, row[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0].amax(-1) > 0
+    return torch.where(has_finite, final_token, -1)
+
+
 def _one_hot_rows(drafts: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, K, V]`` one-hot at the drafted tokens: a deterministic drafter's q."""
     return torch.zeros(*drafts.shape, vocab, dtype=dtype, device=drafts.device).scatter_(
@@ -192,6 +202,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     else:
         num_accepted, weights = chain_outcome(p, q, drafts, valid, temperature == 0, u)
     final_token = race(weights, seed, offset, num_accepted, _rng.PURPOSE_RESAMPLE)
+    final_token = without_distribution(final_token, p, num_accepted)
 
     out = torch.full((batch, rows), -1, dtype=torch.int32, device=device)
     out[:, :num_drafts] = torch.where(position < num_accepted[:, None], drafts, -1).to(torch.int32)

@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _rng
-from .chain import rejection_weight, sequence_weight, weighted_residual
+from .chain import rejection_weight, sequence_weight, weighted_residual, without_distribution
 from .sampling import processed_probs, race, token_logprobs
 
 DRAFT_SAMPLING = ("iid", "without_replacement")
@@ -376,6 +376,7 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     # RESAMPLE position = the node whose row the final token is drawn from.
     current = walk.accepted_nodes.gather(1, walk.num_accepted[:, None])[:, 0]
     final_token = race(walk.final_weights, seed, offset, current, _rng.PURPOSE_RESAMPLE)
+    final_token = without_distribution(final_token, p, current)
     out, path, accepted = assemble(tree_token_ids, walk.accepted_nodes, walk.num_accepted,
                                    final_token)
     logprobs = None

@@ -160,8 +160,13 @@ def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, n_cand,
     As soon as the kept set of ``lo`` has at most CAP tokens (often at once for top-p after
     top-k, or after a pass or two for top-k), one more pass over the row copies them to a
     candidate list and every later pass reads only that list; the answer is the same, since
-    the keys left out are below every pivot still to come."""
+    the keys left out are below every pivot still to come.
+
+    Also returns ``lo_below``, the largest live key below the answer (``-2**31``: none): the
+    largest key below the largest qualifying pivot, which is the one whose ``min_above`` the
+    answer is."""
     floor_key = lo.to(tl.int32)
+    lo_below = tl.full([], -2147483648, tl.int32)
     while lo < hi:
         if (n_cand < 0) & (lo_count <= CAP):
             n_cand, below_cand = _compact(row_ptr, V, x_max, scale, floor_key, lo.to(tl.int32),
@@ -184,9 +189,44 @@ def _search(row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, target, n_cand,
         new_hi = tl.minimum(new_hi, tl.min(tl.where(exact, min_above, hi), axis=0).to(tl.int64))
         lo_count = tl.min(tl.where(ok, count, lo_count), axis=0)
         lo_mass = tl.min(tl.where(ok, mass, lo_mass), axis=0)
+        lo_below = tl.max(tl.where(ok, max_below, lo_below), axis=0)
         lo = new_lo
         hi = tl.maximum(new_hi, new_lo)
-    return lo, lo_count, lo_mass, n_cand, below_cand
+    return lo, lo_count, lo_mass, n_cand, below_cand, lo_below
+
+
+@triton.jit
+def _keep_probability_ties(row_ptr, V, x_max, scale, floor_key, lo, lo_count, lo_mass, lo_below,
+                           n_cand, below_cand, cand_key_ptr, cand_e_ptr, bm_row_ptr,
+                           KEY_SHIFT: tl.constexpr, BLOCK_S: tl.constexpr,
+                           UNROLL_S: tl.constexpr, HAS_BITMASK: tl.constexpr):
+    """Top-p keeps ``p >= tau``: where exp collapses distinct logits to one value (huge
+    temperatures), logits below the threshold logit ``lo`` have its probability, and the
+    boundary ties are kept (contract sections 1 and 16). The smallest key in ``[floor_key,
+    lo]`` whose ``exp`` reaches the threshold's, by bisection (``exp`` is monotone in ``x``);
+    when a live key lies at or above it and below ``lo`` (``lo_below``), one one-pivot pass
+    counts the wider kept set and snaps ``lo`` onto a key of the row (over the candidate list
+    when it holds every key that high, else over the row). Returns ``(lo, count, mass)``."""
+    e_thr = tl.exp2((_key_value(lo, KEY_SHIFT) - x_max) * scale)
+    tie_lo = floor_key
+    tie_hi = lo
+    while tie_lo < tie_hi:
+        mid = tie_lo + (tie_hi - tie_lo) // 2
+        if tl.exp2((_key_value(mid, KEY_SHIFT) - x_max) * scale) >= e_thr:
+            tie_hi = mid
+        else:
+            tie_lo = mid + 1
+    if tie_lo <= lo_below.to(tl.int64):
+        # The list holds every live key above below_cand; a tie at or below it is in the row.
+        n_read = tl.where(tie_lo > below_cand.to(tl.int64), n_cand, -1)
+        _, count, mass, min_above, _ = _pivot_pass(
+            row_ptr, V, x_max, scale, floor_key.to(tl.int32), tie_lo - 1, tie_lo, n_read,
+            cand_key_ptr, cand_e_ptr, below_cand, bm_row_ptr, KEY_SHIFT, BLOCK_S, UNROLL_S, 1,
+            HAS_BITMASK)
+        lo = tl.max(min_above, axis=0).to(tl.int64)
+        lo_count = tl.max(count, axis=0)
+        lo_mass = tl.max(mass, axis=0)
+    return lo, lo_count, lo_mass
 
 
 @triton.jit
@@ -214,7 +254,7 @@ def filter_threshold(row_ptr, r, req, V, x_max, total, x_min, num_finite, greedy
         top_k = tl.load(top_k_ptr + req)
         if (~greedy) & (top_k > 0) & (top_k < V) & (num_finite > top_k):
             hi = _sort_key(x_max, KEY_SHIFT).to(tl.int64)
-            lo, lo_count, lo_mass, n_cand, below_cand = _search(
+            lo, lo_count, lo_mass, n_cand, below_cand, _ = _search(
                 row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, top_k.to(tl.float32),
                 n_cand, below_cand, cand_key_ptr, cand_e_ptr, bm_row_ptr, False,
                 KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
@@ -245,11 +285,16 @@ def filter_threshold(row_ptr, r, req, V, x_max, total, x_min, num_finite, greedy
             # A candidate list from top-k holds every key >= its lo <= this floor: keys
             # below it are not live here, so nothing is left out below the list.
             below_cand = tl.full([], -2147483648, tl.int32)
-            lo, lo_count, lo_mass, n_cand, below_cand = _search(
+            floor_p = lo
+            lo, lo_count, lo_mass, n_cand, below_cand, lo_below = _search(
                 row_ptr, V, x_max, scale, lo, hi, lo_count, lo_mass, top_p * lo_mass,
                 n_cand, below_cand, cand_key_ptr, cand_e_ptr, bm_row_ptr, True,
                 KEY_SHIFT, BLOCK_S, UNROLL_S, NUM_PIVOTS, CAP, HAS_BITMASK)
             filtered = tl.full([], 1, tl.int1)
+            lo, lo_count, lo_mass = _keep_probability_ties(
+                row_ptr, V, x_max, scale, floor_p, lo, lo_count, lo_mass, lo_below, n_cand,
+                below_cand, cand_key_ptr, cand_e_ptr, bm_row_ptr, KEY_SHIFT, BLOCK_S, UNROLL_S,
+                HAS_BITMASK)
     return tl.where(filtered, _key_value(lo, KEY_SHIFT), float("-inf")), lo_mass
 
 

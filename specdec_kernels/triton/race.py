@@ -374,6 +374,9 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                     row_ptr, q_row_ptr, group_p, V, x_base, x_thr, inv_norm, scale,
                     q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
                     bm_row_ptr, PURPOSE, Q_MODE, False, GROUP, BLOCK, HAS_BITMASK)
+            # A row with no finite logit has no distribution: -1 even where an unvalidated
+            # negative q gave the residual max(0 - q, 0) mass (contract 7).
+            token = tl.where(x_max > float("-inf"), token, -1)
         final_logprob = tl.full([], float("nan"), tl.float32)
         if LOGPROBS != LOGPROBS_NONE:  # one gathered logit: the token won, so it is allowed
             emitted = token >= 0

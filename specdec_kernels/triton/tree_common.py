@@ -275,4 +275,6 @@ def race_final_token(row_ptr, q_row_ptr, bm_row_ptr, V, x_max, x_thr, norm, scal
             lane_best = tl.where(take, score, lane_best)
             lane_idx = tl.where(take, offs, lane_idx)
     best, best_idx = tile_best(lane_best, lane_idx)
-    return tl.where((best >= 0.0) & (~has_nan), best_idx, -1)
+    # A row with no finite logit has no distribution: -1 even where an unvalidated negative q
+    # gave a residual mass (contract 7).
+    return tl.where((best >= 0.0) & (~has_nan) & (x_max > float("-inf")), best_idx, -1)

@@ -1,0 +1,27 @@
+// The CPU sampling path compiled for AVX2 + FMA (8 floats per instruction); sampling_cpu.cpp
+// calls it when the processor has AVX2, FMA and BMI2 but not AVX-512 (checked at run time),
+// or when SPECDEC_CPU_ISA=avx2 asks for it. FMA is allowed as an instruction but never
+// contracted from a * b + c: the bodies round every product and sum as the baseline does.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "sampling_cpu.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2")
+#pragma GCC optimize("fp-contract=off")  // the same roundings as the baseline build
+namespace specdec {
+namespace cpu {
+namespace avx2 {
+#include "sampling_cpu_impl.h"
+}  // namespace avx2
+}  // namespace cpu
+}  // namespace specdec
+#pragma GCC pop_options
+#endif

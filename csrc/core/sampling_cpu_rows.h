@@ -1,0 +1,239 @@
+// Rows: element loads (NaN and +-inf as -inf, the bitmask), the exp, order-preserving keys,
+// the z-cut as an x-cut, the kept weight and the per-lane sums.
+// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
+// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
+
+// ---- element loads: NaN and +-inf read as -inf (never sampled) ----
+SPECDEC_INLINE float sanitise(uint32_t bits) {
+  return (bits & 0x7F800000u) == 0x7F800000u ? -kInf : bits_float(bits);
+}
+// IEEE half -> float for finite halves (normal and subnormal: one exact multiply by 2**112).
+SPECDEC_INLINE float half_magnitude(uint32_t h) {
+  return bits_float((h & 0x7FFFu) << 13) * 5.192296858534828e+33f;
+}
+
+template <Dtype D>
+struct Elem;
+template <>
+struct Elem<Dtype::kFloat32> {
+  using T = uint32_t;
+  static SPECDEC_INLINE float logit(T v) { return sanitise(v); }
+  static SPECDEC_INLINE float raw(T v) { return bits_float(v); }
+};
+template <>
+struct Elem<Dtype::kBFloat16> {
+  using T = uint16_t;
+  static SPECDEC_INLINE float logit(T v) { return sanitise(static_cast<uint32_t>(v) << 16); }
+  static SPECDEC_INLINE float raw(T v) { return bits_float(static_cast<uint32_t>(v) << 16); }
+};
+template <>
+struct Elem<Dtype::kFloat16> {
+  using T = uint16_t;
+  static SPECDEC_INLINE float logit(T v) {
+    const float magnitude = half_magnitude(v);
+    const float value = (v & 0x8000u) ? -magnitude : magnitude;
+    return (v & 0x7C00u) == 0x7C00u ? -kInf : value;
+  }
+  static SPECDEC_INLINE float raw(T v) {  // inf and NaN kept (draft_probs are not sanitised)
+    const uint32_t sign = static_cast<uint32_t>(v & 0x8000u) << 16;
+    const uint32_t special = sign | 0x7F800000u | (static_cast<uint32_t>(v & 0x3FFu) << 13);
+    const float magnitude = half_magnitude(v);
+    const float value = (v & 0x8000u) ? -magnitude : magnitude;
+    return (v & 0x7C00u) == 0x7C00u ? bits_float(special) : value;
+  }
+};
+
+// A row of logits: element i sanitised, -inf where the bitmask clears it. The bitmask is read
+// as one byte per token (ExpandedMask): bitmask[i >> 5] >> (i & 31) is a gather to the
+// vectoriser, and the passes over masked rows stayed scalar.
+template <Dtype D, bool Masked>
+struct Row {
+  const typename Elem<D>::T* data;
+  int64_t vocab;
+  const uint8_t* allowed;  // 1: allowed (Masked only)
+  SPECDEC_INLINE float operator()(int64_t i) const {
+    const float x = Elem<D>::logit(data[i]);
+    if (!Masked) return x;
+    return allowed[i] != 0 ? x : -kInf;
+  }
+};
+
+// The bitmask words of the last masked row seen by this thread, one byte per token. Valid
+// within one op's call (the caller's tensors do not change during it): every body starts
+// with forget_expanded_mask(), so a later call never reads bytes of other words.
+struct ExpandedMask {
+  const int32_t* words = nullptr;
+  int64_t vocab = 0;
+  std::vector<uint8_t> allowed;
+};
+SPECDEC_INLINE ExpandedMask& expanded_mask() {
+  thread_local ExpandedMask mask;
+  return mask;
+}
+SPECDEC_INLINE void forget_expanded_mask() { expanded_mask().words = nullptr; }
+SPECDEC_INLINE const uint8_t* allowed_bytes(const int32_t* words, int64_t vocab) {
+  ExpandedMask& mask = expanded_mask();
+  if (mask.words == words && mask.vocab == vocab) return mask.allowed.data();
+  const int64_t count = (vocab + 31) / 32;
+  if (static_cast<int64_t>(mask.allowed.size()) < count * 32) mask.allowed.resize(count * 32);
+  uint8_t* out = mask.allowed.data();
+  for (int64_t w = 0; w < count; ++w) {
+    const uint32_t word = static_cast<uint32_t>(words[w]);
+    for (int j = 0; j < 32; ++j) out[w * 32 + j] = static_cast<uint8_t>((word >> j) & 1u);
+  }
+  mask.words = words;
+  mask.vocab = vocab;
+  return out;
+}
+
+template <class F>
+SPECDEC_INLINE void with_row(const RowView& view, F&& body) {
+  switch (view.dtype) {
+#define SPECDEC_ROW_CASE(D)                                                                 \
+  case D: {                                                                                 \
+    using T = Elem<D>::T;                                                                   \
+    const T* data = static_cast<const T*>(view.data);                                       \
+    if (view.bitmask != nullptr) {                                                          \
+      body(Row<D, true>{data, view.vocab, allowed_bytes(view.bitmask, view.vocab)});        \
+    } else {                                                                                \
+      body(Row<D, false>{data, view.vocab, nullptr});                                       \
+    }                                                                                       \
+    return;                                                                                 \
+  }
+    SPECDEC_ROW_CASE(Dtype::kFloat32)
+    SPECDEC_ROW_CASE(Dtype::kBFloat16)
+    SPECDEC_ROW_CASE(Dtype::kFloat16)
+#undef SPECDEC_ROW_CASE
+  }
+}
+
+// exp for x <= 88 (Cephes' single-precision polynomial, within 2 ulps), subnormal results
+// included (the reference's probabilities go down to FLT_TRUE_MIN): 0 below -104 (where exp
+// rounds to 0 anyway) and exp(-inf) = 0. Branch-free: vectorises.
+SPECDEC_INLINE float fast_exp(float x) {
+  const bool underflow = !(x >= -104.0f);  // also -inf (NaN never reaches here)
+  x = x < -104.0f ? -104.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  float n = x * 1.44269504088896341f;
+  n = (n + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2**23)
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const float y = poly * r * r + r + 1.0f;
+  // y * 2**k for k in -150..127: below 2**-126 as (y * 2**(k + 64)) * 2**-64, an exact product
+  // and one rounding to the subnormal result (for k >= -126 the second factor is 1: exact).
+  const int32_t k = static_cast<int32_t>(n);
+  const bool tiny = k < -126;
+  const float scale = bits_float(static_cast<uint32_t>((tiny ? k + 64 : k) + 127) << 23);
+  const float rescale = tiny ? 5.42101086242752217e-20f : 1.0f;  // 2**-64
+  return underflow ? 0.0f : (y * scale) * rescale;
+}
+
+// Order-preserving keys of floats (x < y <=> key(x) < key(y), -0 just below +0).
+SPECDEC_INLINE uint32_t sort_key(float x) {
+  const uint32_t bits = float_bits(x);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+SPECDEC_INLINE float key_value(uint32_t key) {
+  return bits_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+// The smallest x with x / T >= z_lo (T > 0; +inf when no finite x has it), by bisection over
+// the keys: x / T is monotone in x (division rounds monotonically), so the cut x >= x_lo keeps
+// exactly the tokens x / T >= z_lo does, and the passes over the row divide once less.
+SPECDEC_INLINE float cut_of(float z_lo, float temperature) {
+  if (!(z_lo > -kInf)) return -kInf;  // (z_lo is never NaN: a NaN cut would keep nothing)
+  uint32_t lo = sort_key(-kInf), hi = sort_key(std::numeric_limits<float>::max()) + 1;
+  while (lo < hi) {  // the first key in [lo, hi] whose value passes (hi: none)
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (key_value(mid) / temperature >= z_lo) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return key_value(lo);  // key_value(key(FLT_MAX) + 1) = +inf
+}
+
+// Which tokens a row keeps and their unnormalised weight e = exp((x - x_max) / T).
+struct Keep {
+  float x_max, temperature, x_lo, e_tau;
+  SPECDEC_INLINE float e(float x) const { return fast_exp((x - x_max) / temperature); }
+  // e at temperature 1, without the division (d / 1 == d exactly): the hot passes of T = 1
+  // rows are instantiated with Unit = true.
+  template <bool Unit>
+  SPECDEC_INLINE float e_of(float x) const {
+    return Unit ? fast_exp(x - x_max) : e(x);
+  }
+  template <bool Unit = false>
+  SPECDEC_INLINE float weight(float x) const {
+    // Two selects on values computed unconditionally (nested ones, or a bool &, let the
+    // compiler sink the exp into a branch, and loops like the residual's stay scalar).
+    const float value = e_of<Unit>(x);
+    const float kept = value >= e_tau ? value : 0.0f;
+    return x >= x_lo ? kept : 0.0f;
+  }
+};
+SPECDEC_INLINE Keep keep_of(const RowStats& s) { return Keep{s.x_max, s.temperature, s.x_lo, s.e_tau}; }
+
+// The largest logit, as the largest key: an integer max reduction vectorises (a float one
+// needs -ffast-math); -inf for a row with no finite logit.
+template <class R>
+SPECDEC_INLINE float row_max(const R& row) {
+  uint32_t best = 0;
+  for (int64_t i = 0; i < row.vocab; ++i) {
+    const uint32_t key = sort_key(row(i));
+    best = key > best ? key : best;
+  }
+  return key_value(best);
+}
+
+// Sum of weight(i) over [begin, end), and whether one is > 0. Blocks of weights go to a
+// local buffer first (a plain store loop, which vectorises whatever weight() is), then into
+// 16 per-lane sums (in a fixed order: the same sum on every build).
+constexpr int64_t kBlock = 256;
+struct BlockSum {
+  float sum;
+  bool any_positive;
+};
+// With `out`, the weights are also written to out[begin, end).
+template <class W>
+SPECDEC_INLINE BlockSum block_sum(const W& weight, int64_t begin, int64_t end,
+                                  float* out = nullptr) {
+  float lane[kLanes] = {}, positive[kLanes] = {};
+  float local[kBlock];
+  int64_t i = begin;
+  for (; i + kBlock <= end; i += kBlock) {
+    float* buffer = out != nullptr ? out + i : local;
+    for (int64_t j = 0; j < kBlock; ++j) buffer[j] = weight(i + j);
+    for (int64_t j = 0; j < kBlock; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        lane[l] += buffer[j + l];
+        positive[l] = buffer[j + l] > 0.0f ? 1.0f : positive[l];
+      }
+    }
+  }
+  float total = 0.0f;
+  bool any_positive = false;
+  for (; i < end; ++i) {
+    const float w = weight(i);
+    if (out != nullptr) out[i] = w;
+    total += w;
+    any_positive |= w > 0.0f;
+  }
+  for (int l = 0; l < kLanes; ++l) {
+    total += lane[l];
+    any_positive |= positive[l] != 0.0f;
+  }
+  return BlockSum{total, any_positive};
+}
+
+template <class W>
+SPECDEC_INLINE float lane_sum(const W& weight, int64_t begin, int64_t end, float* out = nullptr) {
+  return block_sum(weight, begin, end, out).sum;
+}

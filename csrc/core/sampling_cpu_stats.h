@@ -1,0 +1,177 @@
+// A row's statistics (x_max, the cuts, norm), p of a token, and the row views of the ops.
+// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
+// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
+
+template <class R>
+SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& scratch) {
+  RowStats s;
+  const int64_t vocab = row.vocab;
+  s.temperature = filters.temperature;
+  s.greedy = filters.temperature == 0.0f;
+  s.x_max = row_max(row);
+  s.has_finite = s.x_max > -kInf;
+  s.z_lo = -kInf;
+  s.x_lo = -kInf;  // no cut until the filters set one (also on the early returns)
+  s.e_tau = 0.0f;
+  s.norm = 1.0f;
+  if (!s.has_finite) return s;
+  if (s.greedy) {
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (row(i) == s.x_max) {
+        s.argmax = i;
+        break;
+      }
+    }
+    return s;
+  }
+  const float temperature = s.temperature;
+  const bool use_top_k = filters.top_k > 0 && filters.top_k < vocab;
+  const bool use_top_p = filters.top_p < 1.0f;
+  if (filters.min_p > 0.0f) {  // z >= max(z) + log(min_p), min_p above 1 counting as 1
+    const float log_min_p = std::log(filters.min_p < 1.0f ? filters.min_p : 1.0f);
+    s.z_lo = s.x_max / temperature + log_min_p;
+  }
+  if (use_top_k || use_top_p) {
+    if (scratch.keys.size() < static_cast<size_t>(vocab)) {
+      scratch.keys.resize(vocab);
+      scratch.weights.resize(vocab);
+    }
+  }
+  uint32_t key = 0;
+  if (use_top_k) {  // the k-th largest logit, ties kept: z >= z(x_k)
+    fill_candidates<false>(row, Keep{s.x_max, temperature, -kInf, 0.0f}, scratch);
+    if (search_threshold(scratch, vocab, static_cast<double>(filters.top_k), 0.0, key)) {
+      const float z_k = key_value(key) / temperature;
+      s.z_lo = z_k > s.z_lo ? z_k : s.z_lo;
+    }
+  }
+  s.x_lo = cut_of(s.z_lo, temperature);
+  Keep keep = keep_of(s);
+  // The next cache slot (two in turn: the race after a rejection needs the target row's and
+  // the draft row's, the last two computed).
+  CachedRow& slot = scratch.cached[scratch.generation & 1];
+  slot.generation = ++scratch.generation;
+  if (slot.weights.size() < static_cast<size_t>(vocab)) slot.weights.resize(vocab);
+  s.cache = &slot;
+  s.cache_generation = slot.generation;
+  if (use_top_p) {  // the largest e whose kept mass reaches top_p of the top-k/min-p set
+    if (temperature == 1.0f) {
+      fill_candidates<true, true>(row, keep, scratch);
+    } else {
+      fill_candidates<true, false>(row, keep, scratch);
+    }
+    if (search_threshold(scratch, vocab, 0.0, static_cast<double>(filters.top_p), key)) {
+      s.e_tau = keep.e(key_value(key));
+    }
+    // norm from the weights the search left (e where x >= x_lo, else 0): keep.weight's values
+    // in the same order, without a second exp pass.
+    const float* weights = scratch.weights.data();
+    const float e_tau = s.e_tau;
+    s.norm = lane_sum(
+        [weights, e_tau](int64_t i) SPECDEC_INLINE_LAMBDA {
+          return weights[i] >= e_tau ? weights[i] : 0.0f;
+        },
+        0, vocab, slot.weights.data());
+    return s;
+  }
+  if (temperature == 1.0f) {
+    s.norm = lane_sum(
+        [keep, row](int64_t i) SPECDEC_INLINE_LAMBDA { return keep.weight<true>(row(i)); }, 0,
+        vocab, slot.weights.data());
+  } else {
+    s.norm = lane_sum(
+        [keep, row](int64_t i) SPECDEC_INLINE_LAMBDA { return keep.weight<false>(row(i)); }, 0,
+        vocab, slot.weights.data());
+  }
+  return s;
+}
+
+template <class R>
+SPECDEC_INLINE float prob_of(const R& row, const RowStats& s, int64_t token) {
+  if (!s.has_finite) return 0.0f;
+  if (s.greedy) return token == s.argmax ? 1.0f : 0.0f;
+  return keep_of(s).weight(row(token)) / s.norm;
+}
+
+// p of a processed non-greedy row with finite logits, as a weight functor.
+template <class R>
+struct Probs {
+  R row;
+  Keep keep;
+  float norm;
+  SPECDEC_INLINE float operator()(int64_t i) const { return keep.weight(row(i)) / norm; }
+};
+
+// p from the kept e the norm pass cached: the same values as Probs, without the exp.
+struct CachedProbs {
+  const float* weights;
+  float norm;
+  SPECDEC_INLINE float operator()(int64_t i) const { return weights[i] / norm; }
+};
+SPECDEC_INLINE bool has_cache(const RowStats& s) {
+  return s.cache != nullptr && s.cache->generation == s.cache_generation;
+}
+
+// body(p) for the processed non-greedy row (view, s) with finite logits: CachedProbs while
+// the statistics' cache slot holds them, else Probs over the row.
+template <class F>
+SPECDEC_INLINE void with_probs(const RowView& view, const RowStats& s, F&& body) {
+  if (has_cache(s)) {
+    body(CachedProbs{s.cache->weights.data(), s.norm});
+    return;
+  }
+  with_row(view, [&](const auto& row) {
+    using R = std::decay_t<decltype(row)>;
+    body(Probs<R>{row, keep_of(s), s.norm});
+  });
+}
+
+SPECDEC_INLINE size_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
+
+SPECDEC_INLINE const void* row_pointer(const void* base, Dtype dtype, int64_t row, int64_t vocab) {
+  return static_cast<const char*>(base) + static_cast<size_t>(row * vocab) * element_size(dtype);
+}
+
+// Row `row` of [R, V] logits and of their [R, ceil(V/32)] bitmask (or none).
+SPECDEC_INLINE RowView logits_row(const void* base, Dtype dtype, int64_t row, int64_t vocab,
+                                  const int32_t* bitmask) {
+  return RowView{row_pointer(base, dtype, row, vocab), dtype, vocab,
+                 bitmask ? bitmask + row * ((vocab + 31) / 32) : nullptr};
+}
+
+SPECDEC_INLINE float raw_element(const void* base, Dtype dtype, int64_t index) {
+  switch (dtype) {
+    case Dtype::kFloat32:
+      return Elem<Dtype::kFloat32>::raw(static_cast<const uint32_t*>(base)[index]);
+    case Dtype::kBFloat16:
+      return Elem<Dtype::kBFloat16>::raw(static_cast<const uint16_t*>(base)[index]);
+    case Dtype::kFloat16:
+      return Elem<Dtype::kFloat16>::raw(static_cast<const uint16_t*>(base)[index]);
+  }
+  return 0.0f;
+}
+
+SPECDEC_INLINE RowStats view_stats(const RowView& view, const Filters& filters, Scratch& scratch) {
+  RowStats s;
+  with_row(view, [&](const auto& row) { s = stats_of(row, filters, scratch); });
+  return s;
+}
+
+SPECDEC_INLINE float view_prob(const RowView& view, const RowStats& s, int64_t token) {
+  float p = 0.0f;
+  with_row(view, [&](const auto& row) { p = prob_of(row, s, token); });
+  return p;
+}
+
+// The processed row as floats (zeros for a row without finite logits).
+SPECDEC_INLINE void write_probs(const RowView& view, const RowStats& s, float* out) {
+  if (!s.has_finite || s.greedy) {
+    for (int64_t i = 0; i < view.vocab; ++i) out[i] = 0.0f;
+    if (s.has_finite) out[s.argmax] = 1.0f;
+    return;
+  }
+  with_row(view, [&](const auto& row) {
+    const Keep keep = keep_of(s);
+    for (int64_t i = 0; i < view.vocab; ++i) out[i] = keep.weight(row(i)) / s.norm;
+  });
+}
