@@ -51,6 +51,8 @@ def verify_methods(kind: str = "chain") -> tuple[str, ...]:
 def methods_for(spec: "Speculation") -> tuple[str, ...]:
     """The installed methods that apply to ``spec``: a chain's, or a tree's ("traversal" only
     with sampled children: it verifies children drawn from ``q``)."""
+    if spec.trie:  # an n-gram trie: deterministic candidates ("traversal" needs q)
+        return tuple(m for m in verify_methods("tree") if m != "traversal")
     if not spec.tree:
         return verify_methods("chain")
     return tuple(m for m in verify_methods("tree")
