@@ -478,9 +478,11 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     if bitmask is not None:
         constexprs["HAS_BITMASK"] = True
     options = dict(num_warps=1 if interpreted(device) else 8)
-    if (use_min_p or bitmask is not None or raw or packed is not None) and not interpreted(device):
-        # With every filter and feature compiled in, ptxas settles at 80 registers on sm_80
-        # and spills 40 B; bounded (as the race is) it takes 121 and spills nothing.
+    if (use_top_k or use_top_p or use_min_p or bitmask is not None or raw or packed is not None) \
+            and not interpreted(device):
+        # With a filter or a feature compiled in, ptxas settles at 80 registers and spills
+        # (40 B on sm_80 with every feature; 28 B on sm_90 with top-k+top-p since the top-p
+        # tie pass); bounded as the race is, it takes more registers and spills nothing.
         options["maxnreg"] = MAX_REGISTERS
     block_s, unroll_s, num_pivots = filters.search_config(vocab, device, options["num_warps"])
     _row_stats_kernel[(rows, num_chunks)](
@@ -527,7 +529,7 @@ def _stats_spec(dtype: str, key_shift: int, filtered: bool, chunks: int = 1,
                         NUM_CHUNKS=chunks, BLOCK=STATS_BLOCK, R=STATS_R, BLOCK_S=128,
                         UNROLL_S=filters.PIVOT_UNROLL, NUM_PIVOTS=filters.NUM_PIVOTS,
                         CAP=filters.candidate_capacity(filtered), **_features(features)),
-        num_warps=8, **({"maxnreg": MAX_REGISTERS} if features else {}))
+        num_warps=8, **({"maxnreg": MAX_REGISTERS} if filtered or features else {}))
 
 
 def _stats_finish_spec(dtype: str, key_shift: int, filtered: bool, chunks: int,
