@@ -49,7 +49,7 @@ $(INSTALL_STAMP): $(EXT_STAMP)
 CMAKE       := $(VENV)/bin/cmake
 CTEST       := $(VENV)/bin/ctest
 CTEST_CUDA  ?= ON
-test: CTEST_CUDA := $(if $(and $(CUDA_HOME),$(filter-out 1,$(SPECDEC_FORCE_CPU))),OFF,ON)
+test: CTEST_CUDA := $(if $(CUDA_HOME),$(if $(filter 1,$(SPECDEC_FORCE_CPU)),ON,OFF),ON)
 ctest: $(DEPS_STAMP)
 	$(CMAKE) -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Release -DSPECDEC_CUDA=$(CTEST_CUDA)
 	$(CMAKE) --build build/cmake -j $(JOBS)

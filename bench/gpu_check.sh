@@ -100,7 +100,8 @@ else
              python_tests/test_triton_tree.py python_tests/test_triton_rng.py
              python_tests/test_tree_attention.py python_tests/test_kv_cache.py
              python_tests/test_graph_safety.py
-             python_tests/test_adapters.py::test_adapters_on_cuda_tensors)
+             python_tests/test_adapter_flashinfer.py::test_on_cuda_tensors
+             python_tests/test_adapter_sglang.py::test_on_cuda_tensors)
   SMOKE_DEVICE=cuda
 fi
 

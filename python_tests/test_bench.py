@@ -6,6 +6,7 @@ import csv
 import importlib
 import json
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -196,6 +197,19 @@ def test_bench_imports_never_touch_cuda(monkeypatch):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_check_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")], check=True)
+
+
+def test_gpu_check_lists_existing_cuda_tests():
+    """Every test the GPU check runs on CUDA exists (a renamed test would be silently
+    skipped on the one GPU call a session gets)."""
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    block = script.split("TEST_ARGS=(python_tests/test_triton_chain.py", 1)[1].split(")", 1)[0]
+    targets = ["python_tests/test_triton_chain.py"] + block.split()
+    for target in targets:
+        path, _, name = target.partition("::")
+        assert (ROOT / path).is_file(), target
+        if name:
+            assert re.search(rf"^def {re.escape(name)}\(", (ROOT / path).read_text(), re.M), target
 
 
 def test_method_gain_measurement():
