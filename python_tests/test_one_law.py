@@ -394,16 +394,10 @@ def test_tiny_top_p_keeps_the_arg_max_everywhere():
 
 NO_FINITE_BACKENDS = ["reference", "auto"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1"
                                                else [])
-# Open (issue 28): Triton's block verification emits -1 at such a row without the h test the
-# reference and the C++ path apply to draft 0 (garbage input: negative q under validate=False).
-TRITON_BLOCK_OPEN = pytest.mark.xfail(strict=True, reason="Triton block verification at a row "
-                                      "with no finite logit and negative q: open divergence")
 
 
 @pytest.mark.parametrize("backend,method", [
-    pytest.param(backend, method, marks=TRITON_BLOCK_OPEN if (backend, method) ==
-                 ("triton", "block") else ())
-    for backend in NO_FINITE_BACKENDS for method in ("token", "block")])
+    (backend, method) for backend in NO_FINITE_BACKENDS for method in ("token", "block")])
 def test_no_finite_row_with_negative_draft_probs_emits_minus_one(backend, method):
     """validate=False, a target row with no finite logit and negative draft probabilities:
     the residual max(0 - q, 0) has mass but the row has no distribution: -1 everywhere."""

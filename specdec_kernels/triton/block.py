@@ -12,12 +12,13 @@ costs a few cached loads) and streams chunk ``c`` of its two rows, writing one f
 
 Bytes per request: ``(n - 1) * V * (elem + q_elem)`` read (``q_elem = 0`` for one-hot drafts,
 whose q is the drafted id; ``n`` the live drafts: rows that block verification does not use,
-greedy requests and ``w_j = 0`` are skipped), plus ``O(K^2)`` gathered values (~30 B each),
-and ``(K - 1) * chunks * 4`` B written; the race then reads those partials (the same bytes)
-and, for its final residual, nothing more than the token rule does. In all, block verification
-reads the target and draft logits about once more than ``"token"`` (the statistics pass reads
-them once too); with ``n <= 1`` for every request (``K <= 1``) or all requests greedy the launch
-is skipped and the token path runs, which gives the same tokens there.
+greedy requests and ``w_j = 0`` with one-hot or logit drafts are skipped), plus ``O(K^2)``
+gathered values (~30 B each), and ``(K - 1) * chunks * 4`` B written; the race then reads those
+partials (the same bytes) and, for its final residual, nothing more than the token rule does.
+In all, block verification reads the target and draft logits about once more than ``"token"``
+(the statistics pass reads them once too); with ``n <= 1`` for every request (``K <= 1``) or
+all requests greedy the launch is skipped and the token path runs, which gives the same tokens
+there.
 """
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def _residual_mass_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_
                           PACKED: tl.constexpr = False):
     """Program (b, j, c): chunk c of ``R_{j+1}`` of request b (``j`` in ``0..K-2``, 0-based
     draft index), 0 where block verification does not read it (draft ``j`` not live or the
-    last live one, greedy requests, ``w = 0``, whose residual mass is 0 anyway).
+    last live one, greedy requests, ``w = 0`` with one-hot or logit drafts, whose residual
+    mass is 0 anyway; unvalidated ``draft_probs`` may be negative, and ``max(0 - q, 0)`` is
+    summed as the reference sums it).
     HAS_BITMASK: p of the target rows honours ``token_bitmask`` (as in the statistics and
     the race). PACKED: the rows are read in place, as the race kernel finds them."""
     req = tl.program_id(0)
@@ -64,7 +67,9 @@ def _residual_mass_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_
                                  Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
                                  Q_STATS_CHUNKS_P2, HAS_BITMASK)
     next_id = tl.load(ids_row + row, mask=row < num_draft_tokens, other=-1).to(tl.int64)
-    needed = live & (next_id >= 0) & (next_id < V) & (temperature != 0.0) & (weight > 0.0)
+    needed = live & (next_id >= 0) & (next_id < V) & (temperature != 0.0)
+    if Q_MODE != Q_PROBS:  # q >= 0 there: w = 0 leaves max(0 - q, 0) = 0
+        needed = needed & (weight > 0.0)
     total = tl.full([], 0.0, tl.float32)
     if needed:
         x_max, x_thr, norm, _ = load_row_stats(stats_ptr, argmax_ptr, req * (K + 1) + row,
