@@ -538,7 +538,7 @@ _STATS_SIGNATURE = dict(
 
 def _features(on: bool) -> dict:
     """Contract section 8-9's constexprs of a spec: all on, or all off (their defaults)."""
-    return dict(USE_MIN_P=on, HAS_BITMASK=on, RAW=on, PACKED=on)
+    return dict(USE_MIN_P=on, HAS_BITMASK=on, RAW=on, PACKED=on, SLOTTED=False)
 
 
 def _slotted_features() -> dict:
