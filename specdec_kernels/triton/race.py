@@ -17,8 +17,7 @@ import triton.language as tl
 from .. import _rng
 from .._rng import PURPOSE_RESAMPLE, PURPOSE_SAMPLE
 from . import _rng as trng
-from ._launch import (MAX_REGISTERS, block_size, cdiv, interpreted, launch_options, next_pow2,
-                      num_sms, scratch)
+from ._launch import block_size, cdiv, interpreted, launch_options, next_pow2, num_sms, scratch
 from ._tiles import (LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, block_best, exp2_scale,
                      load_logits, processed_prob, quad_offsets, tile_best, token_logprob)
 from .accept import (Q_LOGITS, Q_LOGITS_T, Q_NONE, Q_ONE_HOT, Q_PROBS, accept_drafts,
@@ -205,7 +204,8 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
                  part_score_ptr, part_index_ptr, mass_ptr, V, K, chunk_size, bitmask_ptr,
                  bitmask_words, raw_ptr, logprobs_ptr, stride_lp, cu_ptr, num_packed,
-                 q_temperature_ptr, slots_ptr, num_slots, PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
+                 q_temperature_ptr, slots_ptr, num_slots,
+                 PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
                  STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                  Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
