@@ -224,13 +224,16 @@ def reference_verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.T
                            min_p: Optional[torch.Tensor], uses_top_k: bool, uses_top_p: bool,
                            all_greedy: bool, uses_min_p: bool, seeds: torch.Tensor,
                            offsets: torch.Tensor, token_bitmask: Optional[torch.Tensor],
-                           method: str, return_logprobs: Optional[str]
+                           method: str, return_logprobs: Optional[str],
+                           draft_slots: Optional[torch.Tensor],
+                           draft_temperature: Optional[torch.Tensor]
                            ) -> list[torch.Tensor]:
     from .reference import chain
     out, accepted, logprobs = chain.verify_chain(
         target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
         temperature, top_k, top_p, seeds, offsets, min_p=min_p, token_bitmask=token_bitmask,
-        return_logprobs=return_logprobs, method=method)
+        return_logprobs=return_logprobs, method=method, draft_slots=draft_slots,
+        draft_temperature=draft_temperature)
     return [out, accepted, *_logprobs_out(logprobs)]
 
 
@@ -255,19 +258,26 @@ def reference_verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: 
                                   uses_top_k: bool, uses_top_p: bool, all_greedy: bool,
                                   uses_min_p: bool, seeds: torch.Tensor, offsets: torch.Tensor,
                                   token_bitmask: Optional[torch.Tensor], method: str,
-                                  return_logprobs: Optional[str]
+                                  return_logprobs: Optional[str],
+                                  draft_slots: Optional[torch.Tensor],
+                                  draft_temperature: Optional[torch.Tensor]
                                   ) -> list[torch.Tensor]:
-    """The packed layout's definition: the padded equivalent (a copy), then the reference."""
+    """The packed layout's definition: the padded equivalent (a copy), then the reference
+    (slotted draft rows stay ``[S, K', V']``: the padded op reads them through the slots)."""
     from . import chain
     layout = chain.packed_layout(cu_num_draft_tokens, draft_token_ids.shape[0],
                                  max_draft_tokens)
+    slotted = draft_slots is not None
     target, ids, probs, logits, bitmask = chain.padded_inputs(
-        layout, target_logits, draft_token_ids, draft_probs, draft_logits, token_bitmask)
+        layout, target_logits, draft_token_ids, None if slotted else draft_probs,
+        None if slotted else draft_logits, token_bitmask)
+    if slotted:
+        probs, logits = draft_probs, draft_logits
     return IMPLEMENTATIONS["reference_verify_chain"](
         target, ids, probs, logits, layout.num_draft_tokens,
                                   temperature, top_k, top_p, min_p, uses_top_k, uses_top_p,
                                   all_greedy, uses_min_p, seeds, offsets, bitmask, method,
-                                  return_logprobs)
+                                  return_logprobs, draft_slots, draft_temperature)
 
 
 def _packed_chain_shapes(target_logits, cu_num_draft_tokens, max_draft_tokens,
@@ -387,7 +397,8 @@ def triton_verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tens
                         uses_top_k: bool, uses_top_p: bool, all_greedy: bool, uses_min_p: bool,
                         seeds: torch.Tensor, offsets: torch.Tensor,
                         token_bitmask: Optional[torch.Tensor], method: str,
-                        return_logprobs: Optional[str]
+                        return_logprobs: Optional[str], draft_slots: Optional[torch.Tensor],
+                        draft_temperature: Optional[torch.Tensor]
                         ) -> list[torch.Tensor]:
     from .triton import chain
     params = _sampling_params(temperature, top_k, top_p, min_p, uses_top_k, uses_top_p,
@@ -395,7 +406,8 @@ def triton_verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tens
     out, accepted, logprobs = chain.verify_chain(
         target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens, params,
         seeds, offsets, method=method, token_bitmask=token_bitmask,
-        return_logprobs=return_logprobs)
+        return_logprobs=return_logprobs, draft_slots=draft_slots,
+        draft_temperature=draft_temperature)
     return [out, accepted, *_logprobs_out(logprobs)]
 
 
@@ -412,7 +424,9 @@ def triton_verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: tor
                                uses_top_p: bool, all_greedy: bool, uses_min_p: bool,
                                seeds: torch.Tensor, offsets: torch.Tensor,
                                token_bitmask: Optional[torch.Tensor], method: str,
-                               return_logprobs: Optional[str]
+                               return_logprobs: Optional[str],
+                               draft_slots: Optional[torch.Tensor],
+                               draft_temperature: Optional[torch.Tensor]
                                ) -> list[torch.Tensor]:
     from .triton import chain
     params = _sampling_params(temperature, top_k, top_p, min_p, uses_top_k, uses_top_p,
@@ -420,7 +434,8 @@ def triton_verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: tor
     out, accepted, logprobs = chain.verify_chain(
         target_logits, draft_token_ids, draft_probs, draft_logits, None, params, seeds,
         offsets, method=method, token_bitmask=token_bitmask, return_logprobs=return_logprobs,
-        packed=(cu_num_draft_tokens, max_draft_tokens))
+        packed=(cu_num_draft_tokens, max_draft_tokens), draft_slots=draft_slots,
+        draft_temperature=draft_temperature)
     return [out, accepted, *_logprobs_out(logprobs)]
 
 
@@ -469,13 +484,14 @@ def _cpp_fake(name: str, signature_of: Callable):
 # Signatures of the C++ schemas, for the fakes' argument names (kept in the schemas' order).
 def _cpu_verify_chain_args(target_logits, draft_token_ids, draft_probs, draft_logits,
                            num_draft_tokens, temperature, top_k, top_p, min_p, token_bitmask,
-                           seed, offset, method, logprobs): ...
+                           seed, offset, method, logprobs, draft_slots=None,
+                           draft_temperature=None): ...
 
 
 def _cpu_verify_chain_packed_args(target_logits, draft_token_ids, draft_probs, draft_logits,
                                   target_rows, draft_rows, num_draft_tokens, temperature, top_k,
                                   top_p, min_p, token_bitmask, seed, offset, method,
-                                  logprobs): ...
+                                  logprobs, draft_slots=None, draft_temperature=None): ...
 
 
 def _cpu_sample_args(logits, temperature, top_k, top_p, min_p, token_bitmask, seed, offset,

@@ -372,3 +372,47 @@ def _as_int64(value, name: str):
             raise ValueError(f"{name}: expected a 64-bit integer, got {value}")
         return value - 2**64 if value >= 2**63 else value
     return value
+
+
+def draft_slots(slots, num_slots: int, batch: int, device: torch.device,
+                validate: bool) -> Optional[torch.Tensor]:
+    """``draft_slots`` (docs/semantics.md section 3.1): None, or an int32/int64 ``[B]``
+    tensor on ``device`` naming each request's slot (dim 0) of the ``[S, K', V']`` draft
+    tensor. With ``validate`` the values are checked to lie in ``[0, S)`` (one
+    synchronisation); without, every backend clamps them to ``[0, S - 1]``. Returned as given
+    (contiguous): the kernels read it in place."""
+    if slots is None:
+        return None
+    check_tensor(slots, "draft_slots", ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if slots.shape[0] != batch:
+        raise ValueError(f"draft_slots: expected shape [{batch}] (one slot per request), got "
+                         f"{list(slots.shape)}")
+    if validate and batch:
+        bad = (slots < 0) | (slots >= num_slots)
+        if _any(bad):
+            b = first_true(bad)
+            raise ValueError(f"draft_slots: expected slots in [0, {num_slots}) (dim 0 of the "
+                             f"draft tensor), got {int(slots[b])} for request {b}")
+    return slots.contiguous()
+
+
+def draft_temperature(value: PerRequest, batch: int, device: torch.device,
+                      validate: bool) -> Optional[torch.Tensor]:
+    """``draft_temperature`` (docs/semantics.md section 3.1): None, a Python number or a
+    0-D / ``[B]`` tensor, as ``temperature`` is parsed: float32 ``[B]``, finite values >= 0
+    (0: the drafter took the draft row's arg-max); Python numbers are checked on the host
+    always, tensors only with ``validate``."""
+    if value is None:
+        return None
+    _check_scalar(value, "draft_temperature", lambda t: t >= 0 and t != math.inf,
+                  "finite values >= 0 (0 = the draft row's arg-max)")
+    t = per_request(_clamp_temperature(value), "draft_temperature", batch, device,
+                    _float_dtype(value), 1.0)
+    if validate and isinstance(value, torch.Tensor) and batch:
+        bad = ~(t >= 0) | torch.isinf(t)
+        if _any(bad):
+            raise ValueError(f"draft_temperature: expected finite values >= 0 (0 = the draft "
+                             f"row's arg-max), got {t[bad][0].item()}")
+    if t.dtype == torch.float64:
+        t = t.clamp(max=FLOAT32_MAX).to(torch.float32)
+    return t

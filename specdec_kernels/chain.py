@@ -27,7 +27,9 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                  offset: PerRequest = None, method: str = "token", backend: str = "auto",
                  validate: bool = True, min_p: PerRequest = None,
                  token_bitmask: Optional[torch.Tensor] = None,
-                 return_logprobs: Optional[str] = None) -> ChainVerifyOutput:
+                 return_logprobs: Optional[str] = None,
+                 draft_slots: Optional[torch.Tensor] = None,
+                 draft_temperature: PerRequest = None) -> ChainVerifyOutput:
     r"""Verify a batch of draft chains exactly (speculative sampling, Leviathan et al. / Chen et al.).
 
     For request ``b`` with ``n = num_draft_tokens[b]`` drafts: greedy requests
@@ -75,6 +77,16 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
             of each emitted token under the processed target row it was emitted at (row ``j``
             for output position ``j``; 0.0 on greedy requests) or under the model's own
             ``log_softmax`` of that row.
+        draft_slots: read the draft rows in place from an engine's per-slot buffer:
+            ``draft_probs`` / ``draft_logits`` are then Shape ``(S, K', V')`` with ``K' >= K``,
+            ``V' >= vocab_size`` (any strides), and draft ``j`` of request ``b`` is row
+            ``[draft_slots[b], j, :vocab_size]`` (no copy). Shape ``(batch_size,)``; int32 or
+            int64, values in ``[0, S)`` (clamped when ``validate=False``).
+        draft_temperature: with ``draft_logits`` only: the drafter sampled
+            ``softmax(draft_logits / draft_temperature)`` (temperature only: no top-k,
+            top-p, min-p or bitmask), instead of the target's parameters; 0 means the
+            drafter took the row's arg-max (q one-hot there, lowest id among ties). Per
+            request, float, finite and >= 0. Greedy requests ignore q, as always.
 
     Returns:
         ChainVerifyOutput with
@@ -102,8 +114,9 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                          device=device)
     _params.check_shape(draft_token_ids, "draft_token_ids", [batch, num_drafts],
                         "[B, K] from target_logits [B, K+1, V]")
-    _check_drafts(draft_probs, draft_logits, [batch, num_drafts, vocab],
-                  "[B, K, V] from target_logits [B, K+1, V]", device)
+    slotted = _check_drafts(draft_probs, draft_logits, [batch, num_drafts, vocab],
+                            "[B, K, V] from target_logits [B, K+1, V]", device, draft_slots,
+                            draft_temperature, batch, num_drafts, "K")
     _params.check_token_bitmask(token_bitmask, [batch, rows], vocab, device,
                                 "[B, K+1, W] like target_logits [B, K+1, V]")
     _params.check_return_logprobs(return_logprobs)
@@ -116,11 +129,14 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     if validate:
         _check_chain_values(draft_token_ids, num_draft_tokens, num_drafts, vocab)
     num_draft_tokens = _params.narrow_int32(num_draft_tokens, 0, num_drafts)
+    slots, draft_temp = _draft_arguments(slotted, draft_probs, draft_logits, draft_slots,
+                                         draft_temperature, batch, device, validate)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                       num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs,
-                      method=method, cpp=_cpu.selected(backend, device))
+                      method=method, cpp=_cpu.selected(backend, device), draft_slots=slots,
+                      draft_temperature=draft_temp)
 
 
 @_backend.on_input_device
@@ -133,7 +149,8 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
                         token_bitmask: Optional[torch.Tensor] = None, seed: PerRequest = None,
                         offset: PerRequest = None, method: str = "token",
                         return_logprobs: Optional[str] = None, backend: str = "auto",
-                        validate: bool = True) -> ChainVerifyOutput:
+                        validate: bool = True, draft_slots: Optional[torch.Tensor] = None,
+                        draft_temperature: PerRequest = None) -> ChainVerifyOutput:
     r""":func:`verify_chain` on the packed (flattened) layout engines keep (vLLM's sampler).
 
     Request ``b`` has ``n_b = cu[b+1] - cu[b]`` drafts (``cu = cu_num_draft_tokens``, ``T =
@@ -157,6 +174,12 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
         method: ``"token"`` (contract section 3) or ``"block"`` (section 12), as in
             :func:`verify_chain`.
         return_logprobs, backend, validate: as in :func:`verify_chain`.
+        draft_slots: as in :func:`verify_chain`: ``draft_probs`` / ``draft_logits`` are then
+            Shape ``(S, K', V')`` with ``K' >= max_draft_tokens``, ``V' >= vocab_size``, and
+            draft ``j`` of request ``b`` (packed draft ``cu[b] + j``) is read in place at
+            ``[draft_slots[b], j, :vocab_size]`` (vLLM MRV2's ``idx_mapping`` layout).
+            Shape ``(batch_size,)``; int32 or int64.
+        draft_temperature: as in :func:`verify_chain` (with ``draft_logits`` only).
 
     Returns:
         ChainVerifyOutput as :func:`verify_chain`: ``output_token_ids`` Shape
@@ -197,8 +220,10 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
         raise ValueError(f"cu_num_draft_tokens, target_logits: expected T + B = {num_packed} + "
                          f"{batch} rows (T = len(draft_token_ids), B = len(cu_num_draft_tokens)"
                          f" - 1), got target_logits of shape {list(target_logits.shape)}")
-    _check_drafts(draft_probs, draft_logits, [num_packed, vocab],
-                  "[T, V], packed like draft_token_ids [T]", device)
+    slotted = _check_drafts(draft_probs, draft_logits, [num_packed, vocab],
+                            "[T, V], packed like draft_token_ids [T]", device, draft_slots,
+                            draft_temperature, batch, max_draft_tokens, "max_draft_tokens",
+                            vocab)
     _params.check_token_bitmask(token_bitmask, [total_rows], vocab, device,
                                 "[T+B, W] like target_logits [T+B, V]")
     check_method(method)
@@ -208,20 +233,23 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
                                      device=device, validate=validate, min_p=min_p)
     if validate:
         _check_packed_values(draft_token_ids, cu_num_draft_tokens, max_draft_tokens, vocab)
+    slots, draft_temp = _draft_arguments(slotted, draft_probs, draft_logits, draft_slots,
+                                         draft_temperature, batch, device, validate)
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     if not use_triton and _cpu.selected(backend, device) and \
             _cpu.runs_chain(target_logits, draft_probs, method):
         layout = packed_layout(cu_num_draft_tokens, num_packed, max_draft_tokens)
         return ChainVerifyOutput(*_cpu.verify_chain(
             target_logits, draft_token_ids, draft_probs, draft_logits, layout.num_draft_tokens,
-            params, seeds, offsets, token_bitmask, layout, method, return_logprobs))
+            params, seeds, offsets, token_bitmask, layout, method, return_logprobs,
+            draft_slots=slots, draft_temperature=draft_temp))
     # Triton reads the packed rows in place; the reference's definition is the padded layout.
     op = "triton_verify_chain_packed" if use_triton else "reference_verify_chain_packed"
     out, accepted, *logprobs = _ops.call(
         op,
         target_logits, draft_token_ids, cu_num_draft_tokens, max_draft_tokens, draft_probs,
         draft_logits, *_ops.params_args(params), seeds, offsets, token_bitmask, method,
-        return_logprobs)
+        return_logprobs, slots, draft_temp)
     return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))
 
 
@@ -256,31 +284,64 @@ def check_method(method) -> None:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
 
 
-def _check_drafts(draft_probs, draft_logits, shape, what: str, device) -> None:
+def _check_drafts(draft_probs, draft_logits, shape, what: str, device, draft_slots=None,
+                  draft_temperature=None, batch: int = 0, num_drafts: int = 0,
+                  drafts_name: str = "K", vocab: Optional[int] = None) -> bool:
+    """The draft tensors' dtypes and shapes (no synchronisation): ``shape`` without
+    ``draft_slots``, ``[S, >= K, >= V]`` with them. Returns whether the call is slotted."""
     if draft_probs is not None and draft_logits is not None:
         raise ValueError("draft_probs, draft_logits: expected at most one of them, got both")
+    if draft_temperature is not None and draft_logits is None:
+        raise ValueError("draft_temperature: applies to draft_logits only (draft_probs are "
+                         "the drafter's law as given; one-hot drafts have none)")
+    if draft_slots is not None and draft_probs is None and draft_logits is None:
+        raise ValueError("draft_slots: expected draft_probs or draft_logits [S, K', V'] to "
+                         "read through the slots, got neither")
+    vocab = shape[-1] if vocab is None else vocab
     for name, draft in (("draft_probs", draft_probs), ("draft_logits", draft_logits)):
         if draft is not None:
             dtypes = _params.LOGIT_DTYPES if name == "draft_logits" else \
                 _params.LOGIT_DTYPES + (torch.float64,)
             _params.check_tensor(draft, name, dtypes=dtypes, device=device)
-            _params.check_shape(draft, name, shape, what)
+            if draft_slots is None:
+                _params.check_shape(draft, name, shape, what)
+            elif draft.dim() != 3 or draft.shape[1] < num_drafts or draft.shape[2] < vocab \
+                    or (batch > 0 and draft.shape[0] < 1):
+                raise ValueError(
+                    f"{name}: with draft_slots expected shape [S, K', V'] with S >= 1, K' >= "
+                    f"{drafts_name} = {num_drafts} and V' >= V = {vocab} (row "
+                    f"[draft_slots[b], j, :V] is request b's draft j), got {list(draft.shape)}")
+    return draft_slots is not None
+
+
+def _draft_arguments(slotted: bool, draft_probs, draft_logits, draft_slots, draft_temperature,
+                     batch: int, device, validate: bool):
+    """``(draft_slots, draft_temperature)`` parsed for the ops (None where not given); the
+    slots' values checked with ``validate``."""
+    slots = None
+    if slotted:
+        draft = draft_logits if draft_logits is not None else draft_probs
+        slots = _params.draft_slots(draft_slots, draft.shape[0], batch, device, validate)
+    return slots, _params.draft_temperature(draft_temperature, batch, device, validate)
 
 
 def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
                num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs,
-               method: str = "token", cpp: bool = False) -> ChainVerifyOutput:
+               method: str = "token", cpp: bool = False, draft_slots=None,
+               draft_temperature=None) -> ChainVerifyOutput:
     """The parsed padded call on its backend's op (``_ops``): Triton, the C++ CPU path where
     it covers the call (``cpp``, ``_cpu``), else the reference."""
     if cpp and not use_triton and _cpu.runs_chain(target_logits, draft_probs, method):
         return ChainVerifyOutput(*_cpu.verify_chain(
             target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens, params,
-            seeds, offsets, token_bitmask, None, method, return_logprobs))
+            seeds, offsets, token_bitmask, None, method, return_logprobs,
+            draft_slots=draft_slots, draft_temperature=draft_temperature))
     op = "triton_verify_chain" if use_triton else "reference_verify_chain"
     out, accepted, *logprobs = _ops.call(
         op,
         target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
-        *_ops.params_args(params), seeds, offsets, token_bitmask, method, return_logprobs)
+        *_ops.params_args(params), seeds, offsets, token_bitmask, method, return_logprobs,
+        draft_slots, draft_temperature)
     return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))
 
 

@@ -140,6 +140,14 @@ struct ChainArgs {
   // draft_rows[b * K + j], read only for j < num_draft_tokens[b]. Null: the padded layout.
   const int64_t* target_rows = nullptr;
   const int64_t* draft_rows = nullptr;
+  // Per-slot draft rows (draft_slots): the draft probs/logits row of draft j of request b
+  // starts at element draft_slots[b] * draft_slot_stride + j * draft_position_stride (slots
+  // in range, unit vocabulary stride); null: row draft_rows[b * K + j] (or b * K + j) of V.
+  const int64_t* draft_slots = nullptr;
+  int64_t draft_slot_stride = 0, draft_position_stride = 0;
+  // draft_temperature [B] or null: the draft logits at that temperature with no filter
+  // (0: one-hot at the row's arg-max) instead of the target's filters.
+  const float* draft_temperature = nullptr;
   ChainMethod method = ChainMethod::kToken;
   Logprobs logprobs_kind = Logprobs::kNone;
   int32_t* output_token_ids = nullptr;  // [B, K+1]

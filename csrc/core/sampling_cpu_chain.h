@@ -39,6 +39,10 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
     auto draft_row = [&](int64_t j) {  // j < n only
       return a.draft_rows ? a.draft_rows[b * num_drafts + j] : b * num_drafts + j;
     };
+    auto draft_start = [&](int64_t j) {  // element offset of draft j's probs/logits row
+      return a.draft_slots ? a.draft_slots[b] * a.draft_slot_stride + j * a.draft_position_stride
+                           : draft_row(j) * vocab;
+    };
     for (int64_t j = 0; j < n; ++j) id[j] = a.draft_ids[draft_row(j)];
     int64_t live = 0;  // the leading valid drafts
     while (live < n && id[live] >= 0 && id[live] < vocab) ++live;
@@ -46,16 +50,17 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
       return logits_row(a.target, a.target_dtype, target_row(j), vocab, a.bitmask);
     };
     auto draft_view = [&](int64_t j) {
-      return RowView{row_pointer(a.draft_logits, a.draft_logits_dtype, draft_row(j), vocab),
+      return RowView{row_pointer(a.draft_logits, a.draft_logits_dtype, draft_start(j), 1),
                      a.draft_logits_dtype, vocab, nullptr};
     };
-    const Filters draft_filters = filters;
+    const Filters draft_filters =
+        a.draft_temperature ? Filters{a.draft_temperature[b], 0, 1.0f, 0.0f} : filters;
     auto draft_stats_of = [&](int64_t j) {  // j < live; only with draft_logits
       return view_stats(draft_view(j), draft_filters, scratch);
     };
     auto q_draft_of = [&](int64_t j, const RowStats& draft_stats) {
       if (a.draft_probs != nullptr) {
-        return raw_element(a.draft_probs, a.draft_probs_dtype, draft_row(j) * vocab + id[j]);
+        return raw_element(a.draft_probs, a.draft_probs_dtype, draft_start(j) + id[j]);
       }
       if (a.draft_logits != nullptr) return view_prob(draft_view(j), draft_stats, id[j]);
       return 1.0f;
@@ -65,7 +70,7 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
                         RowStats{}};
       if (a.draft_probs != nullptr) {
         residual.kind = Residual::kProbs;
-        residual.q = row_pointer(a.draft_probs, a.draft_probs_dtype, draft_row(j), vocab);
+        residual.q = row_pointer(a.draft_probs, a.draft_probs_dtype, draft_start(j), 1);
         residual.q_dtype = a.draft_probs_dtype;
       } else if (a.draft_logits != nullptr) {
         residual.kind = Residual::kLogits;

@@ -127,7 +127,7 @@ SPECDEC_INLINE void with_q(const Residual& residual, F&& body) {
         body(Zero{});
         return;
       }
-      if (residual.draft_stats.greedy) {  // not reached: greedy requests race nothing
+      if (residual.draft_stats.greedy) {  // draft_temperature 0: q one-hot at its arg-max
         body(OneHot{residual.draft_stats.argmax});
       } else {
         with_probs(residual.draft_view, residual.draft_stats, body);

@@ -113,7 +113,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
     int64_t num_drafts, const at::Tensor& num_draft_tokens, const at::Tensor& temperature,
     const at::Tensor& top_k, const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
-    const at::Tensor& offset, int64_t method, int64_t logprobs_kind) {
+    const at::Tensor& offset, int64_t method, int64_t logprobs_kind,
+    const std::optional<at::Tensor>& draft_slots,
+    const std::optional<at::Tensor>& draft_temperature) {
   const int64_t vocab = target_logits.size(-1), rows = num_drafts + 1;
   TORCH_CHECK(vocab >= 1, "target_logits must have V >= 1");
   const int64_t target_count = target_logits.numel() / vocab;
@@ -164,17 +166,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
               "draft_probs and draft_logits are exclusive");
   std::vector<int64_t> draft_shape(draft_token_ids.sizes().begin(), draft_token_ids.sizes().end());
   draft_shape.push_back(vocab);
+  at::Tensor slots, draft_temp;
+  // Per-slot draft rows [S, K', V'] (draft_slots): read in place through the slots, any
+  // strides with a unit vocabulary stride (else one contiguous copy, as for every input).
+  auto draft_tensor = [&](const at::Tensor& draft, const char* name) {
+    if (!draft_slots.has_value()) {
+      check_cpu(draft, name, draft_shape);
+      return draft.contiguous();
+    }
+    TORCH_CHECK(draft.device().is_cpu(), name, " must be a CPU tensor, got ", draft.device());
+    TORCH_CHECK(draft.dim() == 3 && draft.size(1) >= num_drafts && draft.size(2) >= vocab &&
+                    (batch == 0 || draft.size(0) >= 1),
+                name, " with draft_slots must be [S >= 1, K' >= K, V' >= V], got ",
+                draft.sizes());
+    const at::Tensor rows = draft.stride(2) == 1 ? draft : draft.contiguous();
+    slots = small(*draft_slots, "draft_slots", batch, at::kLong)
+                .clamp(0, std::max<int64_t>(rows.size(0) - 1, 0))
+                .contiguous();
+    args.draft_slots = slots.data_ptr<int64_t>();
+    args.draft_slot_stride = rows.stride(0);
+    args.draft_position_stride = rows.stride(1);
+    return rows;
+  };
   if (draft_probs.has_value()) {
-    check_cpu(*draft_probs, "draft_probs", draft_shape);
-    probs = draft_probs->contiguous();
+    probs = draft_tensor(*draft_probs, "draft_probs");
     args.draft_probs = probs.data_ptr();
     args.draft_probs_dtype = dtype_of(probs, "draft_probs");
   }
   if (draft_logits.has_value()) {
-    check_cpu(*draft_logits, "draft_logits", draft_shape);
-    logits = draft_logits->contiguous();
+    logits = draft_tensor(*draft_logits, "draft_logits");
     args.draft_logits = logits.data_ptr();
     args.draft_logits_dtype = dtype_of(logits, "draft_logits");
+  }
+  TORCH_CHECK(!draft_slots.has_value() || draft_probs.has_value() || draft_logits.has_value(),
+              "draft_slots needs draft_probs or draft_logits");
+  if (draft_temperature.has_value()) {
+    TORCH_CHECK(draft_logits.has_value(), "draft_temperature needs draft_logits");
+    draft_temp = small(*draft_temperature, "draft_temperature", batch, at::kFloat);
+    args.draft_temperature = draft_temp.data_ptr<float>();
   }
   args.params = params.view();
   TORCH_CHECK(method == 0 || method == 1, "method must be 0 (token) or 1 (block)");
@@ -197,14 +226,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain(
     const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
     const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
-    const at::Tensor& offset, int64_t method, int64_t logprobs) {
+    const at::Tensor& offset, int64_t method, int64_t logprobs,
+    const std::optional<at::Tensor>& draft_slots,
+    const std::optional<at::Tensor>& draft_temperature) {
   TORCH_CHECK(target_logits.dim() == 3 && target_logits.size(1) >= 1,
               "target_logits must be [B, K+1, V], got ", target_logits.sizes());
   const int64_t batch = target_logits.size(0), num_drafts = target_logits.size(1) - 1;
   check_cpu(draft_token_ids, "draft_token_ids", {batch, num_drafts});
   return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, nullptr, nullptr,
                    batch, num_drafts, num_draft_tokens, temperature, top_k, top_p, min_p,
-                   token_bitmask, seed, offset, method, logprobs);
+                   token_bitmask, seed, offset, method, logprobs, draft_slots,
+                   draft_temperature);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain_packed(
@@ -214,13 +246,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain_packed(
     const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
     const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
-    const at::Tensor& offset, int64_t method, int64_t logprobs) {
+    const at::Tensor& offset, int64_t method, int64_t logprobs,
+    const std::optional<at::Tensor>& draft_slots,
+    const std::optional<at::Tensor>& draft_temperature) {
   TORCH_CHECK(target_logits.dim() == 2 && draft_token_ids.dim() == 1 && target_rows.dim() == 2,
               "packed: target_logits [T+B, V], draft_token_ids [T], target_rows [B, K+1]");
   const int64_t batch = target_rows.size(0), num_drafts = target_rows.size(1) - 1;
   return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, &target_rows,
                    &draft_rows, batch, num_drafts, num_draft_tokens, temperature, top_k, top_p,
-                   min_p, token_bitmask, seed, offset, method, logprobs);
+                   min_p, token_bitmask, seed, offset, method, logprobs, draft_slots,
+                   draft_temperature);
 }
 
 std::tuple<at::Tensor, at::Tensor> cpu_sample(
@@ -380,12 +415,14 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "cpu_verify_chain(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
       "Tensor? draft_logits, Tensor num_draft_tokens, Tensor temperature, Tensor top_k, "
       "Tensor top_p, Tensor? min_p, Tensor? token_bitmask, Tensor seed, Tensor offset, "
-      "int method, int logprobs) -> (Tensor, Tensor, Tensor)");
+      "int method, int logprobs, Tensor? draft_slots=None, Tensor? draft_temperature=None) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def(
       "cpu_verify_chain_packed(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
       "Tensor? draft_logits, Tensor target_rows, Tensor draft_rows, Tensor num_draft_tokens, "
       "Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, Tensor? token_bitmask, "
-      "Tensor seed, Tensor offset, int method, int logprobs) -> (Tensor, Tensor, Tensor)");
+      "Tensor seed, Tensor offset, int method, int logprobs, Tensor? draft_slots=None, "
+      "Tensor? draft_temperature=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "cpu_sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, "
       "Tensor? token_bitmask, Tensor seed, Tensor offset, int logprobs) -> (Tensor, Tensor)");

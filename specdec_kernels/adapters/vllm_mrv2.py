@@ -29,10 +29,11 @@ raise NotImplementedError naming the argument.
 
 Differences from vLLM 0.33.0: randomness is our Philox stream keyed by ``seed[idx_mapping[i]]``
 and the request's first position ``pos[cu_num_logits[i]]`` (a new offset every step), not
-vLLM's; the same law. **Not yet in place**: the draft rows are gathered through
-``idx_mapping`` into a packed ``[T, V]`` float32 copy divided by the temperature (our chain
-ops take no per-request draft slot index yet); the target rows are read in place. No host
-synchronisation: every index is computed on the device.
+vLLM's; the same law. Everything is read in place: the target rows as packed, the draft rows
+through ``idx_mapping`` (``verify_chain_packed(draft_slots=idx_mapping,
+draft_temperature=temperature[idx_mapping])``: no gathered copy, the temperature applied in
+the kernels). No host synchronisation: every index is computed on the device; only ``[B]``
+and ``[T]`` index tensors are built.
 """
 from __future__ import annotations
 
@@ -123,18 +124,15 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
     slots = idx_mapping.to(torch.int64)
     temp = temperature.to(torch.float32)[slots]
     greedy = temp == 0
-    q_logits = None
-    if draft_logits is not None and num_packed:
-        position = packed - cu_drafts[request_of]
-        rows = draft_logits[slots[request_of], position.clamp(0, draft_logits.shape[1] - 1),
-                            :vocab].float()
-        scale = torch.where(greedy, torch.ones_like(temp), temp)[request_of]
-        q_logits = rows / scale[:, None]
+    # The drafter's rows in place: request i's draft j is draft_logits[idx_mapping[i], j, :V],
+    # at temperature[idx_mapping[i]] (greedy requests ignore q).
+    draft_args = {} if draft_logits is None else dict(
+        draft_logits=draft_logits, draft_slots=idx_mapping, draft_temperature=temp)
     first_pos = pos.to(torch.int64)[cu[:num_reqs].clamp(max=max(num_logits - 1, 0))] \
         if num_logits else pos.new_zeros(num_reqs, dtype=torch.int64)
     out = verify_chain_packed(
         target_logits, draft_ids, cu_drafts, max_draft_tokens=num_speculative_steps,
-        draft_logits=q_logits, temperature=torch.where(greedy, 0.0, 1.0),
+        **draft_args, temperature=torch.where(greedy, 0.0, 1.0),
         seed=seed.to(torch.int64)[slots], offset=first_pos,
         method="block" if use_block_verification else "token", backend=backend,
         validate=False)

@@ -163,13 +163,23 @@ def block_outcome(p: torch.Tensor, q: Optional[torch.Tensor], drafts: torch.Tens
     return BlockOutcome(tau, final, accept_probability, passed)
 
 
+def slotted_rows(draft: torch.Tensor, draft_slots: torch.Tensor, num_drafts: int,
+                 vocab: int) -> torch.Tensor:
+    """``[B, K, V]``: request ``b``'s draft rows ``draft[draft_slots[b], :K, :V]`` of an
+    ``[S, K', V']`` per-slot draft tensor (a gather: the definition, not a kernel's path)."""
+    slots = draft_slots.to(torch.int64).clamp(0, max(draft.shape[0] - 1, 0))
+    return draft[:, :num_drafts, :vocab][slots]
+
+
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  draft_probs: Optional[torch.Tensor], draft_logits: Optional[torch.Tensor],
                  num_draft_tokens: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                  min_p: Optional[torch.Tensor] = None,
                  token_bitmask: Optional[torch.Tensor] = None,
-                 return_logprobs: Optional[str] = None, method: str = "token"):
+                 return_logprobs: Optional[str] = None, method: str = "token",
+                 draft_slots: Optional[torch.Tensor] = None,
+                 draft_temperature: Optional[torch.Tensor] = None):
     """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32, logprobs)``,
     ``logprobs`` float32 ``[B, K+1]`` when ``return_logprobs`` is set, else None.
 
@@ -178,13 +188,26 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     treated as rejected drafts and clamped, never read. ``token_bitmask`` ``[B, K+1, W]``
     applies to the target rows only; ``min_p`` to the target and the draft logits.
     ``method`` is ``"token"`` or ``"block"``.
+
+    ``draft_slots`` ``[B]``: the draft tensor is ``[S, K', V']`` and request ``b``'s draft
+    ``j`` is its row ``[draft_slots[b], j, :V]`` (slots clamped to ``[0, S - 1]``, as
+    unvalidated values are everywhere). ``draft_temperature`` ``[B]``: ``q =
+    processed_probs(draft_logits)`` at that temperature with no filter (0: one-hot at the
+    row's arg-max) instead of the target's parameters.
     """
     batch, rows, vocab = target_logits.shape
     num_drafts = rows - 1
     device = target_logits.device
+    if draft_slots is not None:
+        draft_probs, draft_logits = (
+            None if draft is None else slotted_rows(draft, draft_slots, num_drafts, vocab)
+            for draft in (draft_probs, draft_logits))
     p = processed_probs(target_logits, temperature, top_k, top_p, min_p,
                         token_bitmask)  # [B, K+1, V]
-    if draft_logits is not None:
+    if draft_logits is not None and draft_temperature is not None:
+        q = processed_probs(draft_logits, draft_temperature,
+                            torch.zeros_like(top_k), torch.ones_like(top_p))
+    elif draft_logits is not None:
         q = processed_probs(draft_logits, temperature, top_k, top_p, min_p)
     elif draft_probs is not None:
         q = draft_probs.to(p.dtype)

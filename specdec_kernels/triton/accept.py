@@ -6,7 +6,8 @@ import triton
 import triton.language as tl
 
 from . import _rng as trng
-from ._tiles import (LOGPROBS_NONE, allowed_logits, load_logits, processed_prob, token_logprob)
+from ._tiles import (LOGPROBS_NONE, allowed_logits, exp2_scale, load_logits, processed_prob,
+                     token_logprob)
 from .stats import load_raw_stats, load_row_stats, packed_request
 
 # Q modes of the race kernel: what the residual max(p - q, 0) subtracts. Q_NONE: no draft
@@ -15,6 +16,9 @@ Q_NONE = tl.constexpr(0)
 Q_ONE_HOT = tl.constexpr(1)  # draft_probs=None: q one-hot at the draft token
 Q_PROBS = tl.constexpr(2)    # draft_probs [B, K, V]
 Q_LOGITS = tl.constexpr(3)   # draft_logits [B, K, V], with their own row statistics
+# draft_logits at their own temperature (``draft_temperature``, no filter): their statistics
+# at that temperature, q's scale from it, and q one-hot at the row's arg-max where it is 0.
+Q_LOGITS_T = tl.constexpr(4)
 
 
 # ------------------------------------------------------------------------- the acceptance replay
@@ -26,28 +30,49 @@ def load_num_draft_tokens(num_draft_tokens_ptr, req, K):
 
 
 @triton.jit
+def draft_slot(slots_ptr, req, num_slots):
+    """Request ``req``'s slot of the per-slot draft rows (``draft_slots``), clamped to
+    ``[0, num_slots - 1]`` (validate=False)."""
+    return tl.minimum(tl.maximum(tl.load(slots_ptr + req).to(tl.int64), 0), num_slots - 1)
+
+
+@triton.jit
 def chain_rows(req, num_draft_tokens_ptr, cu_ptr, num_packed, logits_ptr, stride_row, q_ptr,
-               stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K,
-               PACKED: tl.constexpr):
+               stride_q_req, stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K,
+               slots_ptr, num_slots, PACKED: tl.constexpr, SLOTTED: tl.constexpr):
     """``(num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr)`` of chain request
     ``req``: padded, the clamped count and the pointers unchanged; PACKED, the request's
     count from ``cu_num_draft_tokens`` and the pointers moved to its first rows (the
     launcher passes zero request strides), the bitmask so that statistics row
-    ``req * (K + 1) + j`` addresses packed row ``first + req + j``."""
+    ``req * (K + 1) + j`` addresses packed row ``first + req + j``. SLOTTED
+    (``draft_slots``): ``q_ptr`` moved so that ``q_ptr + req * stride_q_req`` is the request's
+    slot (``q`` ``[S, K', V']``, the launcher passes its strides), padded or packed."""
     if PACKED:
         first, num_draft_tokens = packed_request(cu_ptr, req, num_packed, K)
         logits_ptr += (first + req) * stride_row
-        q_ptr += first * stride_q_row
+        if not SLOTTED:
+            q_ptr += first * stride_q_row
         draft_ids_ptr += first
         bitmask_ptr += (first + req - req.to(tl.int64) * (K + 1)) * bitmask_words
     else:
         num_draft_tokens = load_num_draft_tokens(num_draft_tokens_ptr, req, K)
+    if SLOTTED:
+        q_ptr += (draft_slot(slots_ptr, req, num_slots) - req.to(tl.int64)) * stride_q_req
     return num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr
 
 
 @triton.jit
+def draft_scale(scale, q_temperature, Q_MODE: tl.constexpr):
+    """The ``exp2_scale`` of the draft logits: the target's, or (Q_LOGITS_T) their own."""
+    if Q_MODE == Q_LOGITS_T:
+        return exp2_scale(q_temperature)
+    return scale
+
+
+@triton.jit
 def draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr,
-                 argmax_ptr, q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K,
+                 argmax_ptr, q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale,
+                 q_temperature, V, K,
                  bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr, STATS_CHUNKS: tl.constexpr,
                  STATS_CHUNKS_P2: tl.constexpr, Q_STATS_CHUNKS: tl.constexpr,
                  Q_STATS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr):
@@ -57,7 +82,9 @@ def draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, sta
     token 0, nothing read through), ``x`` its allowed target logit (HAS_BITMASK: -inf, so
     ``p = 0``, where its bit is cleared; statistics row ``req * (K + 1) + j``). Reads the id,
     16 B of stats, one target logit (and its bitmask word) and one draft probability, or one
-    draft logit and 12 B of its stats (12 B per chunk where ``row_stats`` left partials)."""
+    draft logit and 12 B of its stats (12 B per chunk where ``row_stats`` left partials).
+    Q_LOGITS_T: q at the draft's own temperature ``q_temperature`` (one-hot at the draft
+    row's arg-max where it is 0)."""
     live = j64 < num_draft_tokens
     draft = tl.load(ids_row + j64, mask=live, other=0).to(tl.int64)
     valid = live & (draft >= 0) & (draft < V)
@@ -69,12 +96,16 @@ def draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, sta
     p = processed_prob(x, x_max, x_thr, norm, scale)
     if Q_MODE == Q_PROBS:
         q = tl.load(q_row + j64 * stride_q_row + token, mask=valid, other=0.0).to(tl.float32)
-    elif Q_MODE == Q_LOGITS:
-        q_max, q_thr, q_norm, _ = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + j64,
-                                                 valid, scale, Q_STATS_CHUNKS,
-                                                 Q_STATS_CHUNKS_P2)
+    elif Q_MODE >= Q_LOGITS:
+        q_scale = draft_scale(scale, q_temperature, Q_MODE)
+        q_max, q_thr, q_norm, q_arg = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + j64,
+                                                     valid, q_scale, Q_STATS_CHUNKS,
+                                                     Q_STATS_CHUNKS_P2)
         q = processed_prob(load_logits(q_row + j64 * stride_q_row, token, valid),
-                           q_max, q_thr, q_norm, scale)
+                           q_max, q_thr, q_norm, q_scale)
+        if Q_MODE == Q_LOGITS_T:  # T_q = 0: the drafter took the row's arg-max
+            one_hot = tl.where((token == q_arg) & (q_max > float("-inf")), 1.0, 0.0)
+            q = tl.where(q_temperature == 0.0, one_hot, q)
     else:  # Q_ONE_HOT
         q = tl.full([], 1.0, tl.float32)
     return token, valid, p, q, x, x_max, x_thr, norm, argmax
@@ -83,8 +114,8 @@ def draft_terms(req, j64, num_draft_tokens, ids_row, logits_row, stride_row, sta
 @triton.jit
 def accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
                    q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
-                   stride_ids, num_draft_tokens, greedy, scale, seed, offset, V, K,
-                   bitmask_ptr, bitmask_words, raw_ptr, Q_MODE: tl.constexpr,
+                   stride_ids, num_draft_tokens, greedy, scale, q_temperature, seed, offset, V,
+                   K, bitmask_ptr, bitmask_words, raw_ptr, Q_MODE: tl.constexpr,
                    STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                    Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
                    HAS_BITMASK: tl.constexpr, LOGPROBS: tl.constexpr, K_P2: tl.constexpr):
@@ -110,8 +141,8 @@ def accept_drafts(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr
         # rejection, but one memory latency for the loop instead of one per draft).
         token, valid, p, q, x, x_max, x_thr, norm, argmax = draft_terms(
             req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
-            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr,
-            bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
+            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, q_temperature, V, K,
+            bitmask_ptr, bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
             Q_STATS_CHUNKS_P2, HAS_BITMASK)
         u = trng.uniform(seed, offset, j64 + 1, trng.PURPOSE_ACCEPT, tl.zeros([], tl.int32))
         # Greedy p is one-hot at the arg-max (zero everywhere on a row with no finite logit).
@@ -151,7 +182,8 @@ def rejection_weight(mass, weight):
 
 @triton.jit
 def prefix_weight(req, count, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr,
-                  argmax_ptr, q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K,
+                  argmax_ptr, q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale,
+                  q_temperature, V, K,
                   bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr,
                   STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                   Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
@@ -164,8 +196,8 @@ def prefix_weight(req, count, num_draft_tokens, ids_row, logits_row, stride_row,
         i64 = tl.zeros([], tl.int64) + i
         _, valid, p, q, _, _, _, _, _ = draft_terms(
             req, i64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
-            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr,
-            bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
+            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, q_temperature, V, K,
+            bitmask_ptr, bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
             Q_STATS_CHUNKS_P2, HAS_BITMASK)
         live = live & valid
         weight = sequence_weight(weight, p, q)
@@ -175,8 +207,8 @@ def prefix_weight(req, count, num_draft_tokens, ids_row, logits_row, stride_row,
 @triton.jit
 def block_accept(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
                   q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
-                  stride_ids, mass_ptr, num_draft_tokens, scale, seed, offset, V, K,
-                  bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr,
+                  stride_ids, mass_ptr, num_draft_tokens, scale, q_temperature, seed, offset,
+                  V, K, bitmask_ptr, bitmask_words, Q_MODE: tl.constexpr,
                   STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                   Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
                   MASS_CHUNKS: tl.constexpr, MASS_CHUNKS_P2: tl.constexpr,
@@ -200,8 +232,8 @@ def block_accept(req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr,
         j64 = tl.zeros([], tl.int64) + j
         _, valid, p, q, _, _, _, _, _ = draft_terms(
             req, j64, num_draft_tokens, ids_row, logits_row, stride_row, stats_ptr, argmax_ptr,
-            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr,
-            bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
+            q_row, stride_q_row, q_stats_ptr, q_argmax_ptr, scale, q_temperature, V, K,
+            bitmask_ptr, bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
             Q_STATS_CHUNKS_P2, HAS_BITMASK)
         live = live & valid
         previous = weight

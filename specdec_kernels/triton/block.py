@@ -28,7 +28,9 @@ import triton.language as tl
 
 from ._launch import launch_options, row_chunks, scratch
 from ._tiles import allowed_logits, exp2_scale, load_logits, processed_prob
-from .accept import Q_LOGITS, Q_ONE_HOT, Q_PROBS, chain_rows, prefix_weight
+from .accept import (Q_LOGITS, Q_LOGITS_T, Q_ONE_HOT, Q_PROBS, chain_rows, draft_scale,
+                     prefix_weight)
+from .race import draft_arguments
 from .stats import PackedRows, RowStats, load_row_stats, row_layout
 
 
@@ -37,33 +39,41 @@ def _residual_mass_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_
                           q_ptr, stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr,
                           draft_ids_ptr, stride_ids, num_draft_tokens_ptr, temperature_ptr,
                           mass_ptr, V, K, chunk_size, bitmask_ptr, bitmask_words, cu_ptr,
-                          num_packed, Q_MODE: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                          num_packed, q_temperature_ptr, slots_ptr, num_slots,
+                          Q_MODE: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                           STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
                           Q_STATS_CHUNKS: tl.constexpr, Q_STATS_CHUNKS_P2: tl.constexpr,
                           BLOCK: tl.constexpr, HAS_BITMASK: tl.constexpr = False,
-                          PACKED: tl.constexpr = False):
+                          PACKED: tl.constexpr = False, SLOTTED: tl.constexpr = False):
     """Program (b, j, c): chunk c of ``R_{j+1}`` of request b (``j`` in ``0..K-2``, 0-based
     draft index), 0 where block verification does not read it (draft ``j`` not live or the
     last live one, greedy requests, ``w = 0`` with one-hot or logit drafts, whose residual
     mass is 0 anyway; unvalidated ``draft_probs`` may be negative, and ``max(0 - q, 0)`` is
     summed as the reference sums it).
     HAS_BITMASK: p of the target rows honours ``token_bitmask`` (as in the statistics and
-    the race). PACKED: the rows are read in place, as the race kernel finds them."""
+    the race). PACKED, SLOTTED, Q_LOGITS_T: the rows are read in place and q is processed as
+    the race kernel reads them."""
     req = tl.program_id(0)
     j = tl.program_id(1)
     chunk = tl.program_id(2)
     temperature = tl.load(temperature_ptr + req)
     scale = exp2_scale(temperature)
+    q_temperature = temperature
+    if Q_MODE == Q_LOGITS_T:
+        q_temperature = tl.load(q_temperature_ptr + req)
+    q_scale = draft_scale(scale, q_temperature, Q_MODE)
     num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr = chain_rows(
         req, num_draft_tokens_ptr, cu_ptr, num_packed, logits_ptr, stride_row, q_ptr,
-        stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K, PACKED)
+        stride_q_req, stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K, slots_ptr,
+        num_slots, PACKED, SLOTTED)
     ids_row = draft_ids_ptr + req.to(tl.int64) * stride_ids
     logits_row = logits_ptr + req.to(tl.int64) * stride_req
     q_row = q_ptr + req.to(tl.int64) * stride_q_req
     row = j.to(tl.int64) + 1
     weight, live = prefix_weight(req, row, num_draft_tokens, ids_row, logits_row, stride_row,
                                  stats_ptr, argmax_ptr, q_row, stride_q_row, q_stats_ptr,
-                                 q_argmax_ptr, scale, V, K, bitmask_ptr, bitmask_words,
+                                 q_argmax_ptr, scale, q_temperature, V, K, bitmask_ptr,
+                                 bitmask_words,
                                  Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS,
                                  Q_STATS_CHUNKS_P2, HAS_BITMASK)
     next_id = tl.load(ids_row + row, mask=row < num_draft_tokens, other=-1).to(tl.int64)
@@ -78,10 +88,13 @@ def _residual_mass_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_
         q_max = tl.full([], 0.0, tl.float32)
         q_thr = tl.full([], 0.0, tl.float32)
         q_norm = tl.full([], 1.0, tl.float32)
-        if Q_MODE == Q_LOGITS:
-            q_max, q_thr, q_norm, _ = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + row,
-                                                     tl.full([], 1, tl.int1), scale,
-                                                     Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+        q_arg = tl.full([], -1, tl.int32)
+        if Q_MODE >= Q_LOGITS:
+            q_max, q_thr, q_norm, q_arg = load_row_stats(
+                q_stats_ptr, q_argmax_ptr, req * K + row, tl.full([], 1, tl.int1), q_scale,
+                Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2)
+            if Q_MODE == Q_LOGITS_T:  # T_q = 0: q one-hot at the draft row's arg-max
+                q_arg = tl.where((q_temperature == 0.0) & (q_max > float("-inf")), q_arg, -1)
         # Per-lane sums, reduced once after the loop.
         lane = tl.zeros([BLOCK], tl.float32)
         bm_row_ptr = bitmask_ptr + (req.to(tl.int64) * (K + 1) + row) * bitmask_words
@@ -100,7 +113,9 @@ def _residual_mass_kernel(logits_ptr, stride_req, stride_row, stats_ptr, argmax_
                             other=0.0).to(tl.float32)
             else:
                 q = processed_prob(load_logits(q_row + row * stride_q_row, offs, mask),
-                                   q_max, q_thr, q_norm, scale)
+                                   q_max, q_thr, q_norm, q_scale)
+                if Q_MODE == Q_LOGITS_T:
+                    q = tl.where(q_temperature == 0.0, tl.where(offs == q_arg, 1.0, 0.0), q)
             residual = tl.maximum(weight * p - q, 0.0, propagate_nan=tl.PropagateNan.ALL)
             lane += tl.where(mask, residual, 0.0)
         total = tl.sum(lane, axis=0)
@@ -133,31 +148,31 @@ def residual_masses(target_logits: torch.Tensor, stats: RowStats, drafts, params
     masses = torch.empty((batch, num_drafts - 1, num_chunks), dtype=torch.float32,
                          device=device)
     dummy_f, dummy_i = scratch(device, torch.float32), scratch(device, torch.int32)
-    q = drafts.q if drafts.q is not None else dummy_f  # one-hot drafts: never read
-    q_strides = (0, 0) if drafts.q is None else \
-        (q.stride(0), q.stride(1)) if packed is None else (0, q.stride(0))
+    # (one-hot drafts: q never read)
+    q_args, q_extra, features = draft_arguments(drafts, packed, dummy_f, dummy_i)
     q_stats = drafts.q_stats or RowStats(dummy_f, dummy_i, 1)
-    features = {}  # compiled in only when used
+    # compiled in only when used
     if bitmask is not None:
         features["HAS_BITMASK"] = True
     if packed is not None:
         features["PACKED"] = True
     _residual_mass_kernel[(batch, num_drafts - 1, num_chunks)](
         target_logits, *strides, stats.stats,
-        stats.argmax, q, q_strides[0], q_strides[1], q_stats.stats, q_stats.argmax,
+        stats.argmax, *q_args, q_stats.stats, q_stats.argmax,
         drafts.token_ids, drafts.token_ids.stride(0) if packed is None else 0,
         drafts.num_draft_tokens, params.temperature, masses, vocab, num_drafts, chunk,
         bitmask if bitmask is not None else dummy_i,
         bitmask.shape[-1] if bitmask is not None else 0,
         packed.cu_num_draft_tokens if packed is not None else dummy_i,
-        packed.num_packed if packed is not None else 0,
+        packed.num_packed if packed is not None else 0, *q_extra,
         Q_MODE=int(drafts.q_mode), NUM_CHUNKS=num_chunks, BLOCK=block, **stats.constexprs(),
         **q_stats.constexprs("Q_"), **features, **launch_options(device, 4))
     return masses, num_chunks
 
 
 COMPILE_SPECS = [
-    dict(name=f"residual_mass[bf16,{mode_name}{',bitmask,packed' if features else ''}]",
+    dict(name=f"residual_mass[bf16,{mode_name}{',bitmask,packed' if features else ''}"
+              f"{',slotted' if slotted else ''}]",
          kernel=_residual_mass_kernel,
          signature=dict(logits_ptr="*bf16", stride_req="i32", stride_row="i32",
                         stats_ptr="*fp32", argmax_ptr="*i32", q_ptr=f"*{q_dtype}",
@@ -166,14 +181,18 @@ COMPILE_SPECS = [
                         num_draft_tokens_ptr="*i32", temperature_ptr="*fp32",
                         mass_ptr="*fp32", V="i32", K="i32", chunk_size="i32",
                         bitmask_ptr="*i32", bitmask_words="i32", cu_ptr="*i64",
-                        num_packed="i32"),
+                        num_packed="i32", q_temperature_ptr="*fp32", slots_ptr="*i64",
+                        num_slots="i32"),
          constexprs=dict(Q_MODE=int(q_mode), NUM_CHUNKS=4, STATS_CHUNKS=4, STATS_CHUNKS_P2=4,
-                         Q_STATS_CHUNKS=4 if q_mode == Q_LOGITS else 1,
-                         Q_STATS_CHUNKS_P2=4 if q_mode == Q_LOGITS else 1, BLOCK=MASS_BLOCK,
-                         HAS_BITMASK=features, PACKED=features),
+                         Q_STATS_CHUNKS=4 if q_mode >= Q_LOGITS else 1,
+                         Q_STATS_CHUNKS_P2=4 if q_mode >= Q_LOGITS else 1, BLOCK=MASS_BLOCK,
+                         HAS_BITMASK=features, PACKED=features, SLOTTED=slotted),
          num_warps=4, maxnreg=128)
-    for mode_name, q_mode, q_dtype, features in (("one_hot", Q_ONE_HOT, "fp32", False),
-                                                 ("draft_probs", Q_PROBS, "fp32", False),
-                                                 ("draft_logits", Q_LOGITS, "bf16", False),
-                                                 ("draft_logits", Q_LOGITS, "bf16", True))
+    for mode_name, q_mode, q_dtype, features, slotted in (
+        ("one_hot", Q_ONE_HOT, "fp32", False, False),
+        ("draft_probs", Q_PROBS, "fp32", False, False),
+        ("draft_logits", Q_LOGITS, "bf16", False, False),
+        ("draft_logits", Q_LOGITS, "bf16", True, False),
+        ("draft_logits_t", Q_LOGITS_T, "bf16", True, True),  # vLLM MRV2's layout
+        ("draft_probs", Q_PROBS, "fp32", True, True))
 ]

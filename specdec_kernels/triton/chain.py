@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import torch
 
+from .._params import SamplingParams, broadcast
 from ._launch import last_dim_contiguous, scratch
 from ._tiles import LOGPROBS_KINDS, LOGPROBS_RAW
 from .block import residual_masses
-from .accept import Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS
+from .accept import Q_LOGITS, Q_LOGITS_T, Q_NONE, Q_ONE_HOT, Q_PROBS
 from .race import DraftInputs, race
-from .stats import PackedRows, row_stats
+from .stats import PackedRows, SlotRows, row_stats
 
 
 def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -46,7 +47,9 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  num_draft_tokens: torch.Tensor, params, seeds: torch.Tensor,
                  offsets: torch.Tensor, method: str = "token", *,
                  token_bitmask: torch.Tensor | None = None, return_logprobs: str | None = None,
-                 packed: tuple[torch.Tensor, int] | None = None):
+                 packed: tuple[torch.Tensor, int] | None = None,
+                 draft_slots: torch.Tensor | None = None,
+                 draft_temperature: torch.Tensor | None = None):
     """Returns ``(output_token_ids [B, K+1] int32, num_accepted [B] int32, logprobs)``
     (``logprobs`` float32 ``[B, K+1]`` with ``return_logprobs``, else None); arguments parsed
     by the public layer (``num_draft_tokens`` int32 ``[B]``, seeds/offsets int64 ``[B]``,
@@ -56,7 +59,12 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     ``packed = (cu_num_draft_tokens, K)``: the inputs are in the packed layout
     (``verify_chain_packed``: ``target_logits [T+B, V]``, ``draft_token_ids [T]``, draft rows
     ``[T, V]``, bitmask ``[T+B, W]``), read in place: every kernel finds a request's rows
-    through ``cu_num_draft_tokens`` itself (``num_draft_tokens`` is not read)."""
+    through ``cu_num_draft_tokens`` itself (``num_draft_tokens`` is not read).
+
+    ``draft_slots`` ``[B]``: the draft probs/logits are ``[S, K', V']`` per-slot rows, read
+    in place at ``[draft_slots[b], j, :V]`` (padded or packed; any strides but a unit
+    vocabulary stride). ``draft_temperature`` float32 ``[B]``: the draft logits' statistics
+    and q at that temperature, no filter (``Q_LOGITS_T``)."""
     target_logits = last_dim_contiguous(target_logits)
     if packed is None:
         batch, rows, vocab = target_logits.shape
@@ -84,11 +92,15 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     stats = row_stats(target_logits, params, merge_in_consumer=True, bitmask=bitmask,
                       raw=kind == int(LOGPROBS_RAW), packed=target_rows)
     q, q_stats = None, None
+    slotted = None if draft_slots is None else \
+        SlotRows(draft_slots, batch, num_drafts, target_logits.shape[-1])
     if draft_logits is not None:
-        q_mode = Q_LOGITS
+        q_mode = Q_LOGITS if draft_temperature is None else Q_LOGITS_T
         q = last_dim_contiguous(draft_logits)
         if num_drafts > 0 and q.numel() > 0:  # (the draft logits never take the bitmask)
-            q_stats = row_stats(q, params, merge_in_consumer=True, packed=draft_rows)
+            q_stats = row_stats(q, params if draft_temperature is None else
+                                draft_params(draft_temperature), merge_in_consumer=True,
+                                packed=draft_rows, slotted=slotted)
     elif draft_probs is not None:
         q_mode = Q_PROBS
         q = last_dim_contiguous(draft_probs)
@@ -98,7 +110,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         q_mode, q = Q_NONE, None  # no live draft: the race is a bonus sample of p
     num_draft = scratch(device, torch.int32) if packed is not None else \
         num_draft_tokens.to(torch.int32).contiguous()
-    drafts = DraftInputs(draft_ids, num_draft, num_accepted, q_mode, q, q_stats)
+    drafts = DraftInputs(draft_ids, num_draft, num_accepted, q_mode, q, q_stats,
+                         slots=draft_slots, q_temperature=draft_temperature)
     if method == "block" and num_drafts >= 2 and not params.all_greedy and q_mode != Q_NONE:
         masses, chunks = residual_masses(target_logits, stats, drafts, params, bitmask=bitmask,
                                          packed=target_rows)
@@ -106,3 +119,11 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     race(target_logits, stats, params, seeds, offsets, out, drafts, bitmask=bitmask,
          logprobs=logprobs, logprobs_kind=kind, packed=target_rows)
     return out, num_accepted, logprobs
+
+
+def draft_params(draft_temperature: torch.Tensor) -> SamplingParams:
+    """The draft logits' parameters with ``draft_temperature``: that temperature, no filter
+    (its greedy rows, T = 0, give their arg-max: q one-hot there)."""
+    batch, device = draft_temperature.shape[0], draft_temperature.device
+    return SamplingParams(draft_temperature, broadcast(0, batch, torch.int32, device),
+                          broadcast(1.0, batch, torch.float32, device), False, False, False)

@@ -17,12 +17,12 @@ import triton.language as tl
 from .. import _rng
 from .._rng import PURPOSE_RESAMPLE, PURPOSE_SAMPLE
 from . import _rng as trng
-from ._launch import (MAX_REGISTERS, block_size, cdiv, interpreted, launch_options, next_pow2,
-                      num_sms, scratch)
+from ._launch import block_size, cdiv, interpreted, launch_options, next_pow2, num_sms, scratch
 from ._tiles import (LOGPROBS_NONE, LOGPROBS_RAW, allowed_logits, block_best, exp2_scale,
                      load_logits, processed_prob, quad_offsets, tile_best, token_logprob)
-from .accept import (Q_LOGITS, Q_NONE, Q_ONE_HOT, Q_PROBS, accept_drafts, block_accept,
-                     chain_rows, prefix_weight, sampled_row, store_chain_row, store_logprob_row)
+from .accept import (Q_LOGITS, Q_LOGITS_T, Q_NONE, Q_ONE_HOT, Q_PROBS, accept_drafts,
+                     block_accept, chain_rows, draft_scale, prefix_weight, sampled_row,
+                     store_chain_row, store_logprob_row)
 from .stats import (PackedRows, RowStats, load_raw_stats, load_row_stats, packed_request,
                     row_layout)
 
@@ -47,13 +47,15 @@ def _race_prob(x, x_base, x_thr, inv_norm, scale):
 
 @triton.jit
 def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
-                  q_base, q_thr, q_inv_norm, draft_token, p_weight, bm_row_ptr,
+                  q_base, q_thr, q_inv_norm, q_scale, draft_token, p_weight, bm_row_ptr,
                   Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """The race's weights at tokens ``offs`` (``mask`` None for a full tile): ``(p, w, nan)``
     with ``w`` the residual ``max(p_weight * p - q, 0)`` (``p_weight``: block verification's
     ``w_tau``, else 1, which multiplies exactly) and ``nan`` where it is NaN when RESIDUAL,
     else ``w = p`` (never NaN). Masked-off tokens (and, HAS_BITMASK, tokens whose bit is
-    cleared) weigh 0; the draft's q never takes the bitmask."""
+    cleared) weigh 0; the draft's q never takes the bitmask. Q_LOGITS_T: q one-hot at
+    ``draft_token`` where it is >= 0 (a draft temperature of 0: the launcher zeroes
+    ``q_inv_norm`` then)."""
     x = allowed_logits(load_logits(row_ptr, offs, mask), offs, mask, bm_row_ptr, HAS_BITMASK)
     p = _race_prob(x, x_base, x_thr, inv_norm, scale)
     if RESIDUAL:
@@ -64,8 +66,10 @@ def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
                 q = tl.load(q_ptr + offs).to(tl.float32)
             else:
                 q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        else:  # Q_LOGITS
-            q = _race_prob(load_logits(q_ptr, offs, mask), q_base, q_thr, q_inv_norm, scale)
+        else:  # Q_LOGITS, Q_LOGITS_T
+            q = _race_prob(load_logits(q_ptr, offs, mask), q_base, q_thr, q_inv_norm, q_scale)
+            if Q_MODE == Q_LOGITS_T:
+                q = tl.where(offs == draft_token, 1.0, q)
         diff = p_weight * p - q
         return p, tl.where(diff > 0, diff, 0.0), diff != diff
     return p, p, p != p  # never NaN
@@ -73,19 +77,21 @@ def _race_weights(row_ptr, q_ptr, offs, mask, x_base, x_thr, inv_norm, scale,
 
 @triton.jit
 def _group_step(row_ptr, q_ptr, offs, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-                q_inv_norm, draft_token, p_weight, lane_p, lane_r, lane_nan, bm_row_ptr,
+                q_inv_norm, q_scale, draft_token, p_weight, lane_p, lane_r, lane_nan, bm_row_ptr,
                 MASKED: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
                 HAS_BITMASK: tl.constexpr):
     """One tile of ``_race_groups``: adds the tile's weights to the per-lane sums."""
     p, w, nan = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None,
                               x_base, x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm,
-                              draft_token, p_weight, bm_row_ptr, Q_MODE, RESIDUAL, HAS_BITMASK)
+                              q_scale, draft_token, p_weight, bm_row_ptr, Q_MODE, RESIDUAL,
+                              HAS_BITMASK)
     return lane_p + p, lane_r + w, tl.maximum(lane_nan, nan.to(tl.int32))
 
 
 @triton.jit
 def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
-                 q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, position,
+                 q_base, q_thr, q_inv_norm, q_scale, draft_token, p_weight, seed, offset,
+                 position,
                  bm_row_ptr,
                  PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_BITMASK: tl.constexpr):
@@ -111,12 +117,14 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
         for start in range(group_start, full_end, BLOCK):
             lane_p, lane_r, lane_nan = _group_step(
                 row_ptr, q_ptr, start + tl.arange(0, BLOCK), group_end, x_base, x_thr,
-                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, p_weight, lane_p, lane_r,
+                inv_norm, scale, q_base, q_thr, q_inv_norm, q_scale, draft_token, p_weight,
+                lane_p, lane_r,
                 lane_nan, bm_row_ptr, False, Q_MODE, RESIDUAL, HAS_BITMASK)
         if full_end < group_end:
             lane_p, lane_r, lane_nan = _group_step(
                 row_ptr, q_ptr, full_end + tl.arange(0, BLOCK), group_end, x_base, x_thr,
-                inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token, p_weight, lane_p, lane_r,
+                inv_norm, scale, q_base, q_thr, q_inv_norm, q_scale, draft_token, p_weight,
+                lane_p, lane_r,
                 lane_nan, bm_row_ptr, True, Q_MODE, RESIDUAL, HAS_BITMASK)
         group = group_start // GROUP
         noise = trng.group_noise(seed, offset, position, PURPOSE, group)
@@ -135,14 +143,15 @@ def _race_groups(row_ptr, q_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
 
 @triton.jit
 def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-                q_inv_norm, draft_token, p_weight, seed, offset, position, lane_best, lane_idx,
+                q_inv_norm, q_scale, draft_token, p_weight, seed, offset, position, lane_best,
+                lane_idx,
                 bm_row_ptr, MASKED: tl.constexpr, PURPOSE: tl.constexpr, Q_MODE: tl.constexpr,
                 RESIDUAL: tl.constexpr, QUADS: tl.constexpr, HAS_BITMASK: tl.constexpr):
     """One ``[QUADS, 4]`` tile of ``_race_tokens``: per-lane winners, strict ``>``."""
     offs = quad_offsets(start, QUADS)
     _, w, _ = _race_weights(row_ptr, q_ptr, offs, offs < end_v if MASKED else None, x_base,
-                            x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm, draft_token,
-                            p_weight, bm_row_ptr, Q_MODE, RESIDUAL, HAS_BITMASK)
+                            x_thr, inv_norm, scale, q_base, q_thr, q_inv_norm, q_scale,
+                            draft_token, p_weight, bm_row_ptr, Q_MODE, RESIDUAL, HAS_BITMASK)
     noise = trng.token_noise(seed, offset, position, PURPOSE, start // 4, QUADS)
     score = tl.where(w > 0, w / noise, -1.0)
     take = score > lane_best
@@ -151,7 +160,8 @@ def _token_step(row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_
 
 @triton.jit
 def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
-                 q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, position,
+                 q_base, q_thr, q_inv_norm, q_scale, draft_token, p_weight, seed, offset,
+                 position,
                  bm_row_ptr,
                  PURPOSE: tl.constexpr, Q_MODE: tl.constexpr, RESIDUAL: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_BITMASK: tl.constexpr):
@@ -172,12 +182,14 @@ def _race_tokens(row_ptr, q_ptr, group, V, x_base, x_thr, inv_norm, scale,
     for start in range(start_v, full_end, BLOCK):
         lane_best, lane_idx = _token_step(
             row_ptr, q_ptr, start, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-            q_inv_norm, draft_token, p_weight, seed, offset, position, lane_best, lane_idx,
+            q_inv_norm, q_scale, draft_token, p_weight, seed, offset, position, lane_best,
+            lane_idx,
             bm_row_ptr, False, PURPOSE, Q_MODE, RESIDUAL, QUADS, HAS_BITMASK)
     if full_end < end_v:
         lane_best, lane_idx = _token_step(
             row_ptr, q_ptr, full_end, end_v, x_base, x_thr, inv_norm, scale, q_base, q_thr,
-            q_inv_norm, draft_token, p_weight, seed, offset, position, lane_best, lane_idx,
+            q_inv_norm, q_scale, draft_token, p_weight, seed, offset, position, lane_best,
+            lane_idx,
             bm_row_ptr, True, PURPOSE, Q_MODE, RESIDUAL, QUADS, HAS_BITMASK)
     best, idx = tile_best(lane_best, lane_idx)
     return tl.where(best >= 0, idx, -1)
@@ -192,6 +204,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  temperature_ptr, seed_ptr, offset_ptr, out_ptr, stride_out,
                  part_score_ptr, part_index_ptr, mass_ptr, V, K, chunk_size, bitmask_ptr,
                  bitmask_words, raw_ptr, logprobs_ptr, stride_lp, cu_ptr, num_packed,
+                 q_temperature_ptr, slots_ptr, num_slots,
                  PURPOSE: tl.constexpr, IS_CHAIN: tl.constexpr, Q_MODE: tl.constexpr,
                  STAGE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                  STATS_CHUNKS: tl.constexpr, STATS_CHUNKS_P2: tl.constexpr,
@@ -199,7 +212,8 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                  GROUP: tl.constexpr, MASS_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                  K_P2: tl.constexpr, BLOCK_METHOD: tl.constexpr, MASS_CHUNKS: tl.constexpr,
                  MASS_CHUNKS_P2: tl.constexpr, HAS_BITMASK: tl.constexpr = False,
-                 LOGPROBS: tl.constexpr = 0, PACKED: tl.constexpr = False):
+                 LOGPROBS: tl.constexpr = 0, PACKED: tl.constexpr = False,
+                 SLOTTED: tl.constexpr = False):
     """One correction/bonus (chain) or sample token per request, by the two-level race over
     row ``num_accepted`` (chain) or 0 of the request.
 
@@ -224,13 +238,19 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     already loaded and one gathered logit per emitted token (raw: 8 B of T = 1 statistics
     per row). PACKED (``verify_chain_packed``): the request's rows are read in place, found
     through ``cu_num_draft_tokens`` (``packed_request``; the launcher passes zero request
-    strides and the kernel moves the base pointers to the request's first rows).
+    strides and the kernel moves the base pointers to the request's first rows). SLOTTED
+    (``draft_slots``): the draft rows are read in place at the request's slot
+    (``chain_rows``). Q_LOGITS_T: the draft logits at the request's ``draft_temperature``.
     """
     req = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + req)
     greedy = temperature == 0.0
     scale = exp2_scale(temperature)
+    q_temperature = temperature
+    if Q_MODE == Q_LOGITS_T:
+        q_temperature = tl.load(q_temperature_ptr + req)
+    q_scale = draft_scale(scale, q_temperature, Q_MODE)
     seed = tl.load(seed_ptr + req)
     offset = tl.load(offset_ptr + req)
     draft_logprobs = tl.zeros([K_P2], tl.float32)
@@ -238,7 +258,8 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
     if IS_CHAIN:
         num_draft_tokens, logits_ptr, q_ptr, draft_ids_ptr, bitmask_ptr = chain_rows(
             req, num_draft_tokens_ptr, cu_ptr, num_packed, logits_ptr, stride_row, q_ptr,
-            stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K, PACKED)
+            stride_q_req, stride_q_row, draft_ids_ptr, bitmask_ptr, bitmask_words, K,
+            slots_ptr, num_slots, PACKED, SLOTTED)
     # Block verification (BLOCK_METHOD, sampled requests): the residual is
     # max(w_tau p - q, 0); p_weight is 1 otherwise (an exact multiply).
     p_weight = tl.full([], 1.0, tl.float32)
@@ -252,7 +273,8 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                     draft_ids_ptr + req.to(tl.int64) * stride_ids,
                     logits_ptr + req.to(tl.int64) * stride_req, stride_row, stats_ptr,
                     argmax_ptr, q_ptr + req.to(tl.int64) * stride_q_req, stride_q_row,
-                    q_stats_ptr, q_argmax_ptr, scale, V, K, bitmask_ptr, bitmask_words,
+                    q_stats_ptr, q_argmax_ptr, scale, q_temperature, V, K, bitmask_ptr,
+                    bitmask_words,
                     Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2, Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2,
                     HAS_BITMASK)
     elif IS_CHAIN:
@@ -261,7 +283,7 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
         num_accepted, rejected, draft_logprobs = accept_drafts(
             req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr, stride_q_req,
             stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr, stride_ids,
-            num_draft_tokens, greedy, scale, seed, offset, V, K,
+            num_draft_tokens, greedy, scale, q_temperature, seed, offset, V, K,
             bitmask_ptr, bitmask_words, raw_ptr, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2,
             Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2, HAS_BITMASK, LOGPROBS, K_P2)
         if BLOCK_METHOD:
@@ -269,8 +291,8 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                 num_accepted, rejected, p_weight = block_accept(
                     req, logits_ptr, stride_req, stride_row, stats_ptr, argmax_ptr, q_ptr,
                     stride_q_req, stride_q_row, q_stats_ptr, q_argmax_ptr, draft_ids_ptr,
-                    stride_ids, mass_ptr, num_draft_tokens, scale, seed, offset, V, K,
-                    bitmask_ptr, bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2,
+                    stride_ids, mass_ptr, num_draft_tokens, scale, q_temperature, seed, offset,
+                    V, K, bitmask_ptr, bitmask_words, Q_MODE, STATS_CHUNKS, STATS_CHUNKS_P2,
                     Q_STATS_CHUNKS, Q_STATS_CHUNKS_P2, MASS_CHUNKS, MASS_CHUNKS_P2,
                     HAS_BITMASK)
         if STAGE == STAGE_GROUPS:
@@ -308,14 +330,18 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
         d = tl.load(draft_ids_ptr + req.to(tl.int64) * stride_ids + last,
                     mask=use_residual, other=0).to(tl.int64)
         draft_token = tl.where((d >= 0) & (d < V), d, 0).to(tl.int32)
-    if (Q_MODE == Q_PROBS) or (Q_MODE == Q_LOGITS):
+    if (Q_MODE == Q_PROBS) or (Q_MODE >= Q_LOGITS):
         q_row_ptr = q_ptr + req.to(tl.int64) * stride_q_req + last.to(tl.int64) * stride_q_row
-    if Q_MODE == Q_LOGITS:
-        q_max, q_thr, q_norm, _ = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + last,
-                                                 use_residual, scale, Q_STATS_CHUNKS,
-                                                 Q_STATS_CHUNKS_P2)
+    if Q_MODE >= Q_LOGITS:
+        q_max, q_thr, q_norm, q_arg = load_row_stats(q_stats_ptr, q_argmax_ptr, req * K + last,
+                                                     use_residual, q_scale, Q_STATS_CHUNKS,
+                                                     Q_STATS_CHUNKS_P2)
         q_base = tl.where(q_max > float("-inf"), q_max, 0.0)
         q_inv_norm = tl.where(q_norm > 0.0, 1.0 / q_norm, 0.0)
+        if Q_MODE == Q_LOGITS_T:  # T_q = 0: q one-hot at the draft row's arg-max
+            q_greedy = q_temperature == 0.0
+            draft_token = tl.where(q_greedy & (q_max > float("-inf")), q_arg, -1)
+            q_inv_norm = tl.where(q_greedy, 0.0, q_inv_norm)
 
     if STAGE == STAGE_TOKENS:
         chunks = tl.arange(0, CHUNKS_P2)
@@ -341,12 +367,14 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
             if (Q_MODE != Q_NONE) and use_residual:
                 best_p, group_p, best_r, group_r, has_nan = _race_groups(
                     row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
-                    q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
+                    q_base, q_thr, q_inv_norm, q_scale, draft_token, p_weight, seed, offset,
+                    num_accepted,
                     bm_row_ptr, PURPOSE, Q_MODE, True, GROUP, MASS_BLOCK, HAS_BITMASK)
             else:
                 best_p, group_p, best_r, group_r, has_nan = _race_groups(
                     row_ptr, q_row_ptr, start_v, end_v, x_base, x_thr, inv_norm, scale,
-                    q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
+                    q_base, q_thr, q_inv_norm, q_scale, draft_token, p_weight, seed, offset,
+                    num_accepted,
                     bm_row_ptr, PURPOSE, Q_MODE, False, GROUP, MASS_BLOCK, HAS_BITMASK)
         if STAGE == STAGE_GROUPS:
             part = req * NUM_CHUNKS + chunk
@@ -367,12 +395,13 @@ def _race_kernel(logits_ptr, stride_req, stride_row, rows_per_req, stats_ptr, ar
                 if has_nan == 0:
                     token = _race_tokens(
                         row_ptr, q_row_ptr, group_r, V, x_base, x_thr, inv_norm, scale,
-                        q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset,
+                        q_base, q_thr, q_inv_norm, q_scale, draft_token, p_weight, seed, offset,
                         num_accepted, bm_row_ptr, PURPOSE, Q_MODE, True, GROUP, BLOCK, HAS_BITMASK)
             elif best_p >= 0:
                 token = _race_tokens(
                     row_ptr, q_row_ptr, group_p, V, x_base, x_thr, inv_norm, scale,
-                    q_base, q_thr, q_inv_norm, draft_token, p_weight, seed, offset, num_accepted,
+                    q_base, q_thr, q_inv_norm, q_scale, draft_token, p_weight, seed, offset,
+                    num_accepted,
                     bm_row_ptr, PURPOSE, Q_MODE, False, GROUP, BLOCK, HAS_BITMASK)
             # A row with no finite logit has no distribution: -1 even where an unvalidated
             # negative q gave the residual max(0 - q, 0) mass (contract 7).
@@ -434,12 +463,31 @@ class DraftInputs(NamedTuple):
     token_ids: torch.Tensor         # [B, K] int32/int64, last dim contiguous (K = 0: any)
     num_draft_tokens: torch.Tensor  # [B] int32 (clamped to [0, K] by the kernel)
     num_accepted: torch.Tensor      # [B] int32, written
-    q_mode: int                     # Q_ONE_HOT, Q_PROBS or Q_LOGITS; Q_NONE when K = 0
+    q_mode: int                     # Q_ONE_HOT, Q_PROBS, Q_LOGITS(_T); Q_NONE when K = 0
     q: torch.Tensor | None = None   # [B, K, V] draft_probs (Q_PROBS) or draft_logits (Q_LOGITS)
     q_stats: RowStats | None = None  # row_stats of the draft logits (Q_LOGITS)
     # Block verification: ``block.residual_masses``' partials [B, K-1, chunks] and chunks.
     masses: torch.Tensor | None = None
     mass_chunks: int = 1
+    slots: torch.Tensor | None = None  # draft_slots [B]: q is [S, K', V'], read at the slots
+    q_temperature: torch.Tensor | None = None  # draft_temperature [B] float32 (Q_LOGITS_T)
+
+
+def draft_arguments(drafts: DraftInputs, packed, dummy_f: torch.Tensor,
+                    dummy_i: torch.Tensor) -> tuple:
+    """``(q, stride_q_req, stride_q_row)`` and ``(q_temperature_ptr, slots_ptr, num_slots)``
+    of the kernels reading ``drafts``, and their constexprs (``SLOTTED``)."""
+    q = drafts.q if drafts.q is not None else dummy_f
+    if drafts.q is None:
+        strides = (0, 0)
+    elif packed is None or drafts.slots is not None:
+        strides = (q.stride(0), q.stride(1))
+    else:
+        strides = (0, q.stride(0))
+    slotted = drafts.slots is not None and drafts.q is not None
+    extra = (drafts.q_temperature if drafts.q_temperature is not None else dummy_f,
+             drafts.slots if slotted else dummy_i, q.shape[0] if slotted else 0)
+    return (q, *strides), extra, ({"SLOTTED": True} if slotted else {})
 
 
 def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
@@ -470,12 +518,10 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
     is_chain = drafts is not None
     if not is_chain:
         drafts = DraftInputs(dummy_i, dummy_i, dummy_i, Q_NONE)
-    q = drafts.q if drafts.q is not None else dummy_f
-    q_strides = (0, 0) if drafts.q is None else \
-        (q.stride(0), q.stride(1)) if packed is None else (0, q.stride(0))
+    q_args, q_extra, q_constexprs = draft_arguments(drafts, packed, dummy_f, dummy_i)
     q_stats = drafts.q_stats or RowStats(dummy_f, dummy_i, 1)
     args = (logits, *strides, rows_per_req, stats.stats, stats.argmax,
-            q, q_strides[0], q_strides[1], q_stats.stats, q_stats.argmax,
+            *q_args, q_stats.stats, q_stats.argmax,
             drafts.token_ids, drafts.token_ids.stride(0) if packed is None else 0,
             drafts.num_draft_tokens,
             drafts.num_accepted, params.temperature, seeds, offsets, out, out.stride(0),
@@ -487,8 +533,8 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
             logprobs if logprobs is not None else dummy_f,
             logprobs.stride(0) if logprobs is not None else 0,
             packed.cu_num_draft_tokens if packed is not None else dummy_i,
-            packed.num_packed if packed is not None else 0)
-    constexprs = dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
+            packed.num_packed if packed is not None else 0, *q_extra)
+    constexprs = dict(**q_constexprs, PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
                       IS_CHAIN=is_chain, Q_MODE=int(drafts.q_mode), NUM_CHUNKS=num_chunks,
                       CHUNKS_P2=next_pow2(num_chunks), GROUP=group, MASS_BLOCK=mass_block,
                       BLOCK=block, K_P2=next_pow2(num_drafts + 1), **stats.constexprs(),
@@ -506,68 +552,3 @@ def race(logits: torch.Tensor, stats: RowStats, params, seeds: torch.Tensor,
     else:
         _race_kernel[(batch, num_chunks)](*args, STAGE=int(STAGE_GROUPS), **constexprs)
         _race_kernel[(batch, 1)](*args, STAGE=int(STAGE_TOKENS), **constexprs)
-
-
-# ----------------------------------------------------------------------------- compile registry
-
-def _race_spec(dtype: str, q_dtype: str, q_mode: int, chunks: int, is_chain: bool = True,
-               stage: int | None = None, stats_chunks: int = 1, q_stats_chunks: int = 1,
-               features: bool = False, block_method: bool = False,
-               mass_chunks: int = 1) -> dict:
-    q_mode = int(q_mode)
-    mode = ["p", "one_hot", "draft_probs", "draft_logits"][q_mode]
-    stage = int(stage if stage is not None else STAGE_BOTH if chunks == 1 else STAGE_GROUPS)
-    stage_name = ["", ",groups", ",tokens"][stage]
-    stats_name = (f",stats_chunks={stats_chunks}" if stats_chunks > 1 else "") + \
-        (f",q_stats_chunks={q_stats_chunks}" if q_stats_chunks > 1 else "") + \
-        ((",bitmask+raw_logprobs" + (",packed" if is_chain else "")) if features else "")
-    return dict(
-        name=f"race[{dtype},{mode}{',chunks=%d' % chunks if chunks > 1 else ''}{stage_name}"
-             f"{stats_name}{',block' if block_method else ''}]",
-        kernel=_race_kernel,
-        signature=dict(logits_ptr=f"*{dtype}", stride_req="i32", stride_row="i32",
-                       rows_per_req="i32", stats_ptr="*fp32", argmax_ptr="*i32",
-                       q_ptr=f"*{q_dtype}", stride_q_req="i32", stride_q_row="i32",
-                       q_stats_ptr="*fp32", q_argmax_ptr="*i32", draft_ids_ptr="*i64",
-                       stride_ids="i32", num_draft_tokens_ptr="*i32", num_accepted_ptr="*i32",
-                       temperature_ptr="*fp32",
-                       seed_ptr="*i64", offset_ptr="*i64", out_ptr="*i32", stride_out="i32",
-                       part_score_ptr="*fp32", part_index_ptr="*i32", mass_ptr="*fp32",
-                       V="i32", K="i32", chunk_size="i32", bitmask_ptr="*i32",
-                       bitmask_words="i32", raw_ptr="*fp32", logprobs_ptr="*fp32",
-                       stride_lp="i32", cu_ptr="*i64", num_packed="i32"),
-        constexprs=dict(PURPOSE=PURPOSE_RESAMPLE if is_chain else PURPOSE_SAMPLE,
-                        IS_CHAIN=is_chain, Q_MODE=q_mode, STAGE=stage, NUM_CHUNKS=chunks,
-                        CHUNKS_P2=next_pow2(chunks), STATS_CHUNKS=stats_chunks,
-                        STATS_CHUNKS_P2=next_pow2(stats_chunks), Q_STATS_CHUNKS=q_stats_chunks,
-                        Q_STATS_CHUNKS_P2=next_pow2(q_stats_chunks), GROUP=_rng.RACE_GROUP,
-                        MASS_BLOCK=1024, BLOCK=512, K_P2=8 if is_chain else 1,
-                        BLOCK_METHOD=block_method, MASS_CHUNKS=mass_chunks,
-                        MASS_CHUNKS_P2=next_pow2(mass_chunks), HAS_BITMASK=features,
-                        LOGPROBS=int(LOGPROBS_RAW) if features else 0,
-                        PACKED=features and is_chain),
-        num_warps=4, maxnreg=MAX_REGISTERS)
-
-
-# (kernel, argument types, constexprs, num_warps) of every kernel here, in the configurations
-# the launchers use on a GPU: compiled for sm_80/sm_90 by bench/resources.py and the tests.
-COMPILE_SPECS = [
-    _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False, stats_chunks=16),
-    _race_spec("bf16", "fp32", Q_ONE_HOT, 8, stats_chunks=4),
-    _race_spec("bf16", "fp32", Q_PROBS, 1),
-    _race_spec("bf16", "bf16", Q_LOGITS, 8, stats_chunks=4, q_stats_chunks=4),
-    _race_spec("fp32", "fp32", Q_LOGITS, 1),
-    _race_spec("bf16", "fp32", Q_PROBS, 8, stats_chunks=4),
-    _race_spec("bf16", "fp32", Q_PROBS, 8, stage=STAGE_TOKENS, stats_chunks=4),
-    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
-               q_stats_chunks=4),
-    _race_spec("bf16", "fp32", Q_PROBS, 8, stats_chunks=4, block_method=True, mass_chunks=4),
-    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
-               q_stats_chunks=4, block_method=True, mass_chunks=4),
-    _race_spec("bf16", "fp32", Q_NONE, 1, is_chain=False, features=True),
-    _race_spec("bf16", "fp32", Q_PROBS, 1, features=True),
-    _race_spec("bf16", "bf16", Q_LOGITS, 8, features=True),
-    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, features=True),
-    _race_spec("bf16", "bf16", Q_LOGITS, 8, stage=STAGE_TOKENS, stats_chunks=4,
-               q_stats_chunks=4, features=True, block_method=True, mass_chunks=4),
-]

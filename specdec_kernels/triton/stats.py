@@ -173,8 +173,8 @@ def packed_request(cu_ptr, req, num_packed, K):
 
 @triton.jit
 def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr,
-               bitmask_ptr, bitmask_words, cu_ptr, num_packed, live_extra,
-               PACKED: tl.constexpr):
+               bitmask_ptr, bitmask_words, cu_ptr, num_packed, live_extra, slots_ptr,
+               num_slots, PACKED: tl.constexpr, SLOTTED: tl.constexpr):
     """Row ``r`` of the statistics: its request, the row's pointer, whether the request is
     greedy, its ``exp2_scale``, its temperature, its ``token_bitmask`` row (only read with
     HAS_BITMASK) and whether it is live.
@@ -184,7 +184,8 @@ def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_
     ``j < n + live_extra`` (``live_extra`` 1 for target rows: the drafts, then the bonus row;
     0 for draft rows); the bitmask rows are the packed rows. Dead rows (the padding of shorter
     requests) stream nothing. Otherwise row ``r`` of ``[B, R, V]`` and of the bitmask
-    ``[B * R, W]``, always live."""
+    ``[B * R, W]``, always live. SLOTTED (draft rows of ``draft_slots``, padded or packed):
+    the row is ``logits[slot, j]`` of ``[S, K', V']`` (slot clamped to ``[0, S - 1]``)."""
     req = r // rows_per_req
     j = r % rows_per_req
     if PACKED:
@@ -196,6 +197,9 @@ def _stats_row(r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_
         row = r.to(tl.int64)
         row_ptr = logits_ptr + req.to(tl.int64) * stride_req + j.to(tl.int64) * stride_row
         live = j >= 0
+    if SLOTTED:
+        slot = tl.minimum(tl.maximum(tl.load(slots_ptr + req).to(tl.int64), 0), num_slots - 1)
+        row_ptr = logits_ptr + slot * stride_req + j.to(tl.int64) * stride_row
     temperature = tl.load(temperature_ptr + req)
     return (req, row_ptr, temperature == 0.0, exp2_scale(temperature), temperature,
             bitmask_ptr + row * bitmask_words, live)
@@ -206,13 +210,13 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                       temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                       part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V, min_p_ptr,
                       bitmask_ptr, bitmask_words, raw_ptr, cu_ptr, num_packed, live_extra,
-                      chunk_size,
+                      slots_ptr, num_slots, chunk_size,
                       USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, KEY_SHIFT: tl.constexpr,
                       NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
                       BLOCK_S: tl.constexpr, UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
                       CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
                       HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False,
-                      PACKED: tl.constexpr = False):
+                      PACKED: tl.constexpr = False, SLOTTED: tl.constexpr = False):
     """Per-row statistics of the processed distribution; grid (rows, NUM_CHUNKS), program
     (r, c) streams tokens ``[c * chunk_size, (c + 1) * chunk_size)`` of row r.
 
@@ -233,7 +237,7 @@ def _row_stats_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
     chunk = tl.program_id(1)
     req, row_ptr, greedy, scale, temperature, bm_row_ptr, live = _stats_row(
         r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr, bitmask_ptr,
-        bitmask_words, cu_ptr, num_packed, live_extra, PACKED)
+        bitmask_words, cu_ptr, num_packed, live_extra, slots_ptr, num_slots, PACKED, SLOTTED)
     start_v = chunk * chunk_size
     end_v = tl.where(live, tl.minimum(start_v + chunk_size, V), start_v)
     x_max, total, best, x_min, num_finite, raw_max, raw_sum = _stream_stats(
@@ -265,21 +269,21 @@ def _row_stats_finish_kernel(logits_ptr, stride_req, stride_row, rows_per_req,
                              temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, argmax_ptr,
                              part_f_ptr, part_i_ptr, cand_key_ptr, cand_e_ptr, V,
                              min_p_ptr, bitmask_ptr, bitmask_words, raw_ptr, cu_ptr,
-                             num_packed, live_extra,
+                             num_packed, live_extra, slots_ptr, num_slots,
                              USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr,
                              KEY_SHIFT: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                              CHUNKS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
                              UNROLL_S: tl.constexpr, NUM_PIVOTS: tl.constexpr,
                              CAP: tl.constexpr, USE_MIN_P: tl.constexpr = False,
                              HAS_BITMASK: tl.constexpr = False, RAW: tl.constexpr = False,
-                             PACKED: tl.constexpr = False):
+                             PACKED: tl.constexpr = False, SLOTTED: tl.constexpr = False):
     """Merges the NUM_CHUNKS partial statistics of one row (grid rows), then finishes it as
     ``_row_stats_kernel`` does. Bytes: reads 20 B per chunk (plus the pivot passes of rows
     whose filters are active), writes 16 B."""
     r = tl.program_id(0)
     req, row_ptr, greedy, scale, temperature, bm_row_ptr, live = _stats_row(
         r, logits_ptr, stride_req, stride_row, rows_per_req, temperature_ptr, bitmask_ptr,
-        bitmask_words, cu_ptr, num_packed, live_extra, PACKED)
+        bitmask_words, cu_ptr, num_packed, live_extra, slots_ptr, num_slots, PACKED, SLOTTED)
     chunks = tl.arange(0, CHUNKS_P2)
     valid = chunks < NUM_CHUNKS
     part = r * NUM_CHUNKS + chunks
@@ -386,10 +390,24 @@ class PackedRows(NamedTuple):
     live_extra: int                    # 1: target rows (drafts and bonus); 0: draft rows
 
 
-def row_layout(logits: torch.Tensor, packed: PackedRows | None):
+class SlotRows(NamedTuple):
+    """Draft rows read in place through ``draft_slots``: ``logits`` is ``[S, K', V']`` and
+    statistics row ``b * K + j`` is ``logits[slots[b], j, :V]``."""
+    slots: torch.Tensor  # [B] int32/int64 (clamped by the kernel)
+    batch: int           # B
+    rows_per_req: int    # K
+    vocab: int           # V (the target's)
+
+
+def row_layout(logits: torch.Tensor, packed: PackedRows | None,
+               slotted: SlotRows | None = None):
     """``(B, rows per request, V, (request stride, row stride))`` of ``logits`` ``[B, R, V]``,
     or of the packed rows ``[N, V]`` read through ``packed`` (request stride 0: the kernels
-    find each request's first row themselves)."""
+    find each request's first row themselves), or of the per-slot rows ``[S, K', V']`` of
+    ``slotted`` (slot stride, position stride)."""
+    if slotted is not None:
+        return (slotted.batch, slotted.rows_per_req, slotted.vocab,
+                (logits.stride(0), logits.stride(1)))
     if packed is None:
         batch, rows_per_req, vocab = logits.shape
         return batch, rows_per_req, vocab, (logits.stride(0), logits.stride(1))
@@ -412,7 +430,7 @@ class RowStats(NamedTuple):
 
 def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
               bitmask: torch.Tensor | None = None, raw: bool = False,
-              packed: PackedRows | None = None) -> RowStats:
+              packed: PackedRows | None = None, slotted: SlotRows | None = None) -> RowStats:
     """Launch ``_row_stats_kernel`` (and ``_row_stats_finish_kernel`` when rows are split)
     over the ``B * R`` rows of ``logits`` ``[B, R, V]`` (last dim contiguous, any strides
     otherwise), statistics row ``b * R + r``, request ``b``.
@@ -425,8 +443,10 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     passes; None compiles it out. ``raw``: also the T = 1 statistics of the unmasked rows
     (``RowStats.raw``, for raw logprobs; rows split are then finished here too).
     ``packed``: ``logits`` are the packed rows ``[T + B, V]`` (or ``[T, V]`` of draft logits),
-    found through ``cu_num_draft_tokens``; the bitmask rows are the packed rows."""
-    batch, rows_per_req, vocab, strides = row_layout(logits, packed)
+    found through ``cu_num_draft_tokens``; the bitmask rows are the packed rows. ``slotted``:
+    draft rows read in place at their requests' slots (``SlotRows``; with ``packed`` too,
+    which then gives only the live rows)."""
+    batch, rows_per_req, vocab, strides = row_layout(logits, packed, slotted)
     rows = batch * rows_per_req
     device = logits.device
     if rows == 0:
@@ -469,17 +489,21 @@ def row_stats(logits: torch.Tensor, params, *, merge_in_consumer: bool = False,
     args += (raw_stats if raw_stats is not None else scratch(device, torch.float32),
              packed.cu_num_draft_tokens if packed is not None else scratch(device, torch.int32),
              packed.num_packed if packed is not None else 0,
-             packed.live_extra if packed is not None else 0)
+             packed.live_extra if packed is not None else 0,
+             slotted.slots if slotted is not None else scratch(device, torch.int32),
+             logits.shape[0] if slotted is not None else 0)
     if packed is not None:
         constexprs["PACKED"] = True
+    if slotted is not None:
+        constexprs["SLOTTED"] = True
     # Contract section 8's features, compiled in only when used (a plain call pays nothing).
     if use_min_p:
         constexprs["USE_MIN_P"] = True
     if bitmask is not None:
         constexprs["HAS_BITMASK"] = True
     options = dict(num_warps=1 if interpreted(device) else 8)
-    if (use_top_k or use_top_p or use_min_p or bitmask is not None or raw or packed is not None) \
-            and not interpreted(device):
+    if (use_top_k or use_top_p or use_min_p or bitmask is not None or raw or packed is not None
+            or slotted is not None) and not interpreted(device):
         # With a filter or a feature compiled in, ptxas settles at 80 registers and spills
         # (40 B on sm_80 with every feature; 28 B on sm_90 with top-k+top-p since the top-p
         # tie pass); bounded as the race is, it takes more registers and spills nothing.
@@ -509,27 +533,33 @@ _STATS_SIGNATURE = dict(
     top_k_ptr="*i32", top_p_ptr="*fp32", stats_ptr="*fp32", argmax_ptr="*i32",
     part_f_ptr="*fp32", part_i_ptr="*i32", cand_key_ptr="*i32", cand_e_ptr="*fp32", V="i32",
     min_p_ptr="*fp32", bitmask_ptr="*i32", bitmask_words="i32", raw_ptr="*fp32", cu_ptr="*i64",
-    num_packed="i32", live_extra="i32")
+    num_packed="i32", live_extra="i32", slots_ptr="*i64", num_slots="i32")
 
 
 def _features(on: bool) -> dict:
     """Contract section 8-9's constexprs of a spec: all on, or all off (their defaults)."""
-    return dict(USE_MIN_P=on, HAS_BITMASK=on, RAW=on, PACKED=on)
+    return dict(USE_MIN_P=on, HAS_BITMASK=on, RAW=on, PACKED=on, SLOTTED=False)
+
+
+def _slotted_features() -> dict:
+    """The draft rows of vLLM MRV2's layout: packed, read through ``draft_slots``, no filter."""
+    return dict(USE_MIN_P=False, HAS_BITMASK=False, RAW=False, PACKED=True, SLOTTED=True)
 
 
 def _stats_spec(dtype: str, key_shift: int, filtered: bool, chunks: int = 1,
-                features: bool = False) -> dict:
+                features: bool = False, slotted: bool = False) -> dict:
     return dict(
         name=f"row_stats[{dtype}{',top_k+top_p' if filtered else ''}"
              f"{',chunks=%d' % chunks if chunks > 1 else ''}"
-             f"{',min_p+bitmask+raw' if features else ''}]",
+             f"{',min_p+bitmask+raw' if features else ''}{',packed+slotted' if slotted else ''}]",
         kernel=_row_stats_kernel,
         signature=dict(logits_ptr=f"*{dtype}", **_STATS_SIGNATURE, chunk_size="i32"),
         constexprs=dict(USE_TOP_K=filtered, USE_TOP_P=filtered, KEY_SHIFT=key_shift,
                         NUM_CHUNKS=chunks, BLOCK=STATS_BLOCK, R=STATS_R, BLOCK_S=128,
                         UNROLL_S=filters.PIVOT_UNROLL, NUM_PIVOTS=filters.NUM_PIVOTS,
-                        CAP=filters.candidate_capacity(filtered), **_features(features)),
-        num_warps=8, **({"maxnreg": MAX_REGISTERS} if filtered or features else {}))
+                        CAP=filters.candidate_capacity(filtered),
+                        **(_slotted_features() if slotted else _features(features))),
+        num_warps=8, **({"maxnreg": MAX_REGISTERS} if filtered or features or slotted else {}))
 
 
 def _stats_finish_spec(dtype: str, key_shift: int, filtered: bool, chunks: int,
@@ -559,4 +589,6 @@ COMPILE_SPECS = [
     _stats_spec("bf16", 16, True, chunks=4, features=True),
     _stats_finish_spec("bf16", 16, True, 16, features=True),
     _stats_finish_spec("bf16", 16, False, 4, features=True),
+    _stats_spec("bf16", 16, False, slotted=True),
+    _stats_spec("bf16", 16, False, chunks=4, slotted=True),
 ]
