@@ -14,7 +14,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
-#pragma GCC optimize("fp-contract=off")  // the same roundings as the baseline build
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")  // as the baseline build (setup.py)
 namespace specdec {
 namespace cpu {
 namespace avx512 {

@@ -44,42 +44,44 @@ struct Elem<Dtype::kFloat16> {
 };
 
 // A row of logits: element i sanitised, -inf where the bitmask clears it. The bitmask is read
-// as one byte per token (ExpandedMask): bitmask[i >> 5] >> (i & 31) is a gather to the
-// vectoriser, and the passes over masked rows stayed scalar.
+// as one 32-bit lane mask per token (ExpandedMask: all ones where allowed), applied by an
+// integer select: bitmask[i >> 5] >> (i & 31) is a gather to the vectoriser, and one byte per
+// token made it pick 64 tokens per AVX-512 step, which spills (both left the passes slow).
 template <Dtype D, bool Masked>
 struct Row {
   const typename Elem<D>::T* data;
   int64_t vocab;
-  const uint8_t* allowed;  // 1: allowed (Masked only)
+  const uint32_t* allowed;  // ~0u: allowed, 0: masked (Masked only)
   SPECDEC_INLINE float operator()(int64_t i) const {
     const float x = Elem<D>::logit(data[i]);
     if (!Masked) return x;
-    return allowed[i] != 0 ? x : -kInf;
+    const uint32_t keep = allowed[i];
+    return bits_float((float_bits(x) & keep) | (0xFF800000u & ~keep));  // else -inf
   }
 };
 
-// The bitmask words of the last masked row seen by this thread, one byte per token. Valid
-// within one op's call (the caller's tensors do not change during it): every body starts
-// with forget_expanded_mask(), so a later call never reads bytes of other words.
+// The bitmask words of the last masked row seen by this thread, one lane mask per token.
+// Valid within one op's call (the caller's tensors do not change during it): every body
+// starts with forget_expanded_mask(), so a later call never reads masks of other words.
 struct ExpandedMask {
   const int32_t* words = nullptr;
   int64_t vocab = 0;
-  std::vector<uint8_t> allowed;
+  std::vector<uint32_t> allowed;
 };
 SPECDEC_INLINE ExpandedMask& expanded_mask() {
   thread_local ExpandedMask mask;
   return mask;
 }
 SPECDEC_INLINE void forget_expanded_mask() { expanded_mask().words = nullptr; }
-SPECDEC_INLINE const uint8_t* allowed_bytes(const int32_t* words, int64_t vocab) {
+SPECDEC_INLINE const uint32_t* allowed_masks(const int32_t* words, int64_t vocab) {
   ExpandedMask& mask = expanded_mask();
   if (mask.words == words && mask.vocab == vocab) return mask.allowed.data();
   const int64_t count = (vocab + 31) / 32;
   if (static_cast<int64_t>(mask.allowed.size()) < count * 32) mask.allowed.resize(count * 32);
-  uint8_t* out = mask.allowed.data();
+  uint32_t* out = mask.allowed.data();
   for (int64_t w = 0; w < count; ++w) {
     const uint32_t word = static_cast<uint32_t>(words[w]);
-    for (int j = 0; j < 32; ++j) out[w * 32 + j] = static_cast<uint8_t>((word >> j) & 1u);
+    for (int j = 0; j < 32; ++j) out[w * 32 + j] = 0u - ((word >> j) & 1u);
   }
   mask.words = words;
   mask.vocab = vocab;
@@ -94,7 +96,7 @@ SPECDEC_INLINE void with_row(const RowView& view, F&& body) {
     using T = Elem<D>::T;                                                                   \
     const T* data = static_cast<const T*>(view.data);                                       \
     if (view.bitmask != nullptr) {                                                          \
-      body(Row<D, true>{data, view.vocab, allowed_bytes(view.bitmask, view.vocab)});        \
+      body(Row<D, true>{data, view.vocab, allowed_masks(view.bitmask, view.vocab)});        \
     } else {                                                                                \
       body(Row<D, false>{data, view.vocab, nullptr});                                       \
     }                                                                                       \
@@ -112,7 +114,10 @@ SPECDEC_INLINE void with_row(const RowView& view, F&& body) {
 // rounds to 0 anyway) and exp(-inf) = 0. Branch-free: vectorises.
 SPECDEC_INLINE float fast_exp(float x) {
   const bool underflow = !(x >= -104.0f);  // also -inf (NaN never reaches here)
-  x = x < -104.0f ? -104.0f : x;
+  // An underflowing lane computes exp(0) and returns 0: every lane is computed (the loops
+  // vectorise), and clamping it to -104 instead would make subnormal products, which cost a
+  // microcode assist per lane on x86 (masked tokens are -inf: half a masked row).
+  x = underflow ? 0.0f : x;
   x = x > 88.0f ? 88.0f : x;
   float n = x * 1.44269504088896341f;
   n = (n + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2**23)
