@@ -61,13 +61,18 @@ def _extension():
     # -fno-trapping-math: the selects of the exp and the kept weight may be computed on every
     # lane (no FP exception is ever observed); without it GCC leaves those loops scalar
     # wherever there are no masked vector ops (AVX2, SSE2). It changes no value.
-    cxx_flags = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
+    # -fopenmp: at::parallel_for is a header template that splits the work only when the
+    # including file is compiled with OpenMP; without it every op ran on one thread. The
+    # OpenMP runtime is torch's own (its wheel ships libgomp.so.1, already loaded).
+    cxx_flags = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     if CUDA_HOME is not None:
         return CUDAExtension(
             "specdec_kernels._C",
             sources + ["csrc/torch/ops_cuda.cpp", "csrc/core/kernels.cu"],
             include_dirs=include_dirs,
             define_macros=[("SPECDEC_WITH_CUDA", "1")],
+            extra_link_args=link_flags,
             extra_compile_args={
                 "cxx": cxx_flags,
                 "nvcc": [
@@ -82,6 +87,7 @@ def _extension():
         sources,
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
 
 

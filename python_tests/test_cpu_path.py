@@ -614,3 +614,60 @@ def test_forcing_a_build_by_environment():
     env["SPECDEC_CPU_ISA"] = "sse9"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "ValueError" in out.stderr and "sse9" in out.stderr
+
+
+# ---- threads: at::parallel_for splits the batch (the extension is built with OpenMP) ----
+def test_extension_parallelises_with_openmp():
+    """at::parallel_for is a header template: compiled without OpenMP it runs every op on one
+    thread, silently. The extension must call OpenMP's runtime (torch's libgomp)."""
+    import specdec_kernels._C as ext  # noqa: PLC0415
+    with open(ext.__file__, "rb") as handle:
+        assert b"GOMP_parallel" in handle.read(), "the extension was built without -fopenmp"
+
+
+def test_two_threads_agree_bit_for_bit_with_one():
+    """The same answers on 2 threads as on 1 (requests split across tasks, one scratch per
+    task, the expanded bitmask per thread): chains (token, block, packed), trees, samples,
+    tree masks and KV compaction, batches large enough to split."""
+    gen = torch.Generator().manual_seed(2)
+    batch, drafts, vocab = 24, 3, 3001
+    target, draft_logits, ids = _inputs(batch, drafts, vocab, torch.float32, gen)
+    params = dict(mixed_params(batch, vocab, gen), seed=torch.arange(batch), offset=5)
+    mask = torch.randint(-2**31, 2**31 - 1, (batch, drafts + 1, (vocab + 31) // 32),
+                         generator=gen, dtype=torch.int32)
+    probs = torch.softmax(torch.randn(batch, drafts, vocab, generator=gen), -1)
+    parents = torch.tensor([[-1, 0, 0, 1]] * batch)
+    tree_ids = torch.cat([torch.full((batch, 1), -1), ids], 1)
+    packed_ids = ids.reshape(-1)
+    cu = torch.arange(0, batch * drafts + 1, drafts, dtype=torch.int32)
+    cache = torch.randn(batch, 12, 2, 3, generator=gen)
+    paths = torch.tensor([[0, 2, 3, -1]] * batch)
+
+    def calls():
+        compacted = cache.clone()
+        lens = sk.compact_kv_cache([compacted], torch.arange(batch) % 5, paths,
+                                   torch.arange(batch) % 3)
+        return (tuple(sk.verify_chain(target, ids, draft_logits=draft_logits,
+                                      token_bitmask=mask, return_logprobs="raw", **params))
+                + tuple(sk.verify_chain(target, ids, draft_probs=probs, method="block",
+                                        **params))
+                + tuple(sk.verify_chain_packed(target.reshape(-1, vocab), packed_ids, cu,
+                                               draft_probs=probs.reshape(-1, vocab),
+                                               max_draft_tokens=drafts, **params))
+                + tuple(sk.verify_tree(target, tree_ids, parents,
+                                       draft_probs=torch.softmax(target.float(), -1),
+                                       method="traversal", **params))
+                + tuple(sk.sample(target[:, 0].contiguous(), token_bitmask=mask[:, 0],
+                                  **params))
+                + tuple(sk.build_tree_attention(parents, prefix_lens=torch.arange(batch)))
+                + (lens, compacted))
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = calls()
+        torch.set_num_threads(2)
+        two = calls()
+    finally:
+        torch.set_num_threads(before)
+    _same({"1 thread": one, "2 threads": two})
