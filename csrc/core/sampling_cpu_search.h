@@ -55,13 +55,13 @@ SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double tar
   const float* all_weights = weights;
   keys = scratch.candidate_keys.data();
   weights = scratch.candidate_weights.data();
+  // Branch-free compaction (store always, advance on a match): a bin holds a few percent of
+  // the tokens, scattered, and a branch on it mispredicts.
   int64_t count = 0;
   for (int64_t j = 0; j < vocab; ++j) {
-    if ((all_keys[j] >> 21) == static_cast<uint32_t>(top) && all_weights[j] > 0.0f) {
-      keys[count] = all_keys[j];
-      weights[count] = all_weights[j];
-      ++count;
-    }
+    keys[count] = all_keys[j];
+    weights[count] = all_weights[j];
+    count += ((all_keys[j] >> 21) == static_cast<uint32_t>(top)) & (all_weights[j] > 0.0f);
   }
   uint32_t key = static_cast<uint32_t>(top) << 21;
   for (int level = 1; level < 3; ++level) {
@@ -77,12 +77,12 @@ SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double tar
     }
     key |= static_cast<uint32_t>(bin) << shift;
     int64_t kept = 0;
-    for (int64_t j = 0; j < count; ++j) {
-      if (((keys[j] >> shift) & (bins - 1)) == static_cast<uint32_t>(bin)) {
-        keys[kept] = keys[j];
-        weights[kept] = weights[j];
-        ++kept;
-      }
+    for (int64_t j = 0; j < count; ++j) {  // branch-free, as above (kept <= j)
+      const uint32_t k = keys[j];
+      const float w = weights[j];
+      keys[kept] = k;
+      weights[kept] = w;
+      kept += ((k >> shift) & (bins - 1)) == static_cast<uint32_t>(bin);
     }
     count = kept;
     if (keep_all) {  // keep the whole bin: its lowest key
