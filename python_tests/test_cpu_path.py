@@ -628,7 +628,8 @@ def test_extension_parallelises_with_openmp():
 def test_two_threads_agree_bit_for_bit_with_one():
     """The same answers on 2 threads as on 1 (requests split across tasks, one scratch per
     task, the expanded bitmask per thread): chains (token, block, packed), trees, samples,
-    tree masks and KV compaction, batches large enough to split."""
+    tree masks and KV compaction, each large enough that its grain (csrc/torch) splits it.
+    And a bitmask changed in place between calls is read anew (no stale expanded mask)."""
     gen = torch.Generator().manual_seed(2)
     batch, drafts, vocab = 24, 3, 3001
     target, draft_logits, ids = _inputs(batch, drafts, vocab, torch.float32, gen)
@@ -640,7 +641,13 @@ def test_two_threads_agree_bit_for_bit_with_one():
     tree_ids = torch.cat([torch.full((batch, 1), -1), ids], 1)
     packed_ids = ids.reshape(-1)
     cu = torch.arange(0, batch * drafts + 1, drafts, dtype=torch.int32)
-    cache = torch.randn(batch, 12, 2, 3, generator=gen)
+    # Splitting needs >= 2 tasks: tree masks at 64 nodes (grain 65536 / (N * (N + 16)) = 12
+    # requests), compaction at 16 KiB per position (grain 32768 / 16384 = 2 requests x layers).
+    nodes = 64
+    big_parents = torch.cat([torch.full((batch, 1), -1),
+                             (torch.rand(batch, nodes - 1, generator=gen)
+                              * torch.arange(1, nodes)).long()], 1)
+    cache = torch.randn(batch, 12, 8, 512, generator=gen)
     paths = torch.tensor([[0, 2, 3, -1]] * batch)
 
     def calls():
@@ -659,7 +666,7 @@ def test_two_threads_agree_bit_for_bit_with_one():
                                        method="traversal", **params))
                 + tuple(sk.sample(target[:, 0].contiguous(), token_bitmask=mask[:, 0],
                                   **params))
-                + tuple(sk.build_tree_attention(parents, prefix_lens=torch.arange(batch)))
+                + tuple(sk.build_tree_attention(big_parents, prefix_lens=torch.arange(batch)))
                 + (lens, compacted))
 
     before = torch.get_num_threads()
@@ -668,6 +675,13 @@ def test_two_threads_agree_bit_for_bit_with_one():
         one = calls()
         torch.set_num_threads(2)
         two = calls()
+        rows, words = target[:, 0].contiguous(), mask[:, 0].contiguous()
+        first = sk.sample(rows, token_bitmask=words, **params)
+        words.bitwise_not_()  # the same storage, other words
+        again = sk.sample(rows, token_bitmask=words, **params)
+        fresh = sk.sample(rows, token_bitmask=words.clone(), **params)
     finally:
         torch.set_num_threads(before)
     _same({"1 thread": one, "2 threads": two})
+    _same({"in place": tuple(again), "fresh": tuple(fresh)})
+    assert not torch.equal(first[0], again[0])
