@@ -12,10 +12,7 @@
 #include "sampling_cpu.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
-
-#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>  // outside the target region: GCC's intrinsics carry their own targets
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
 #pragma GCC optimize("fp-contract=off", "no-trapping-math")  // as the baseline build (setup.py)

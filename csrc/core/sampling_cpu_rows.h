@@ -45,8 +45,8 @@ struct Elem<Dtype::kFloat16> {
 
 // A row of logits: element i sanitised, -inf where the bitmask clears it. The bitmask is read
 // as one 32-bit lane mask per token (ExpandedMask: all ones where allowed), applied by an
-// integer select: bitmask[i >> 5] >> (i & 31) is a gather to the vectoriser, and one byte per
-// token made it pick 64 tokens per AVX-512 step, which spills (both left the passes slow).
+// integer select: bitmask[i >> 5] >> (i & 31) is a gather to the vectoriser, and with one
+// byte per token GCC took 64 tokens per AVX-512 step, spilling registers.
 template <Dtype D, bool Masked>
 struct Row {
   const typename Elem<D>::T* data;
