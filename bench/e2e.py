@@ -81,13 +81,14 @@ PRESETS = {
     # b16, rare_terms b1/b4/b16 (adaptive never slower than plain), and our plain decoding
     # against transformers' plain generate on short (rare_terms) and long (copy) prompts.
     "issue26": [
-        Group("copy", 1, 0.0, 2, [_ng(4), _ng(8), _ng("adaptive"), _trie(16, 8)],
+        Group("copy", 1, 0.0, 2, [_ng(4), _ng(8), _ng("adaptive"), _trie(16, 8),
+                                  _trie(20, 10), _trie(24, 12)],
               ("hf_plain", "hf_prompt_lookup"), max_new_tokens=64),
         Group("rare_terms", 1, 0.0, 2, [_ng("adaptive")], ("hf_plain",), max_new_tokens=40),
         Group("copy", 16, 0.0, 16, [_ng(4), _ng("adaptive")], max_new_tokens=40),
         Group("rare_terms", 16, 0.0, 16, [_ng("adaptive")], max_new_tokens=24),
         Group("rare_terms", 4, 0.0, 4, [_ng("adaptive")], max_new_tokens=32),
-        Group("copy", 1, 1.0, 2, [_ng(4), _ng("adaptive"), _trie(16, 8)], max_new_tokens=64),
+        Group("copy", 1, 1.0, 2, [_ng(4), _ng("adaptive"), _trie(20, 10)], max_new_tokens=64),
     ],
     "cpu": [
         Group("copy", 1, 0.0, 4, [_ng(2), _ng(4), _ng(8), _ng("adaptive"), _dm(2),

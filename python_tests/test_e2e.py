@@ -307,17 +307,34 @@ def test_small_row_linear_equals_f_linear_and_is_undone():
         assert not any("forward" in m.__dict__ for m in model)
 
 
-def _trie_by_definition(history, ngram_max, max_nodes, max_depth):
-    """The n-gram trie by brute force: the earlier occurrences of the last n tokens
-    (n = ngram_max .. 1, most recent first, each position once, the first 4 * max_nodes),
-    their continuations of up to max_depth tokens inserted in that order as paths from the
-    root, no node past the budget."""
+def _match_starts_by_definition(history, ngram_max):
+    """The earlier occurrences of the last n tokens (n = ngram_max .. 1, most recent first,
+    each position once): where their continuations start."""
     starts, seen = [], set()
     for n in range(min(ngram_max, len(history) - 1), 0, -1):
         for end in range(len(history) - 2, n - 2, -1):
             if history[end - n + 1:end + 1] == history[-n:] and end not in seen:
                 seen.add(end)
                 starts.append(end + 1)
+    return starts
+
+
+def _trie_by_definition(history, ngram_max, max_nodes, max_depth):
+    """The n-gram trie by brute force: the first suffix match, then where a copy broken by
+    the last token resumes (it was inserted before, or replaced, the token the history
+    without it predicts), then the other matches, each position once, the first
+    4 * max_nodes; their continuations of up to max_depth tokens inserted in that order as
+    paths from the root, no node past the budget."""
+    matches = _match_starts_by_definition(history, ngram_max)
+    resync = []
+    if len(history) >= 3:
+        predicted = _match_starts_by_definition(history[:-1], ngram_max)
+        if predicted and history[predicted[0]] != history[-1]:
+            resync = [s for s in (predicted[0], predicted[0] + 1) if s < len(history) - 1]
+    starts = []
+    for start in matches[:1] + resync + matches[1:]:
+        if start not in starts:
+            starts.append(start)
     nodes, tokens, parents = {(): 0}, [history[-1]], [-1]
     for start in starts[:4 * max_nodes]:
         continuation = history[start:start + max_depth]

@@ -84,13 +84,42 @@ def match_starts(history: Sequence[int], ngram_max: int, limit: int) -> list[int
     return starts
 
 
+def resync_starts(history: Sequence[int], ngram_max: int) -> list[int]:
+    """Where a copy resumes after its last token broke it. The history without that token
+    has an earlier match (:func:`match_starts`' first) predicting the token at ``p``; when
+    the last token is another one, the copy resumes at ``p`` if the token was inserted
+    (a line break a reformatting adds) or at ``p + 1`` if it replaced the predicted one (an
+    edited value), in that order. Empty when nothing was predicted or the prediction held
+    (the suffix match then goes on with the copy)."""
+    if len(history) < 3:
+        return []
+    predicted = match_starts(history[:-1], ngram_max, 1)
+    if not predicted or history[predicted[0]] == history[-1]:
+        return []
+    p = predicted[0]
+    return [start for start in (p, p + 1) if start < len(history) - 1]
+
+
+def trie_starts(history: Sequence[int], ngram_max: int, limit: int) -> list[int]:
+    """The trie's continuations, in the order they enter it: the chain drafter's match,
+    then :func:`resync_starts`, then the other matches of :func:`match_starts`; each position
+    once, at most ``limit``."""
+    matches = match_starts(history, ngram_max, limit)
+    starts: list[int] = []
+    for start in matches[:1] + resync_starts(history, ngram_max) + matches[1:]:
+        if start not in starts:
+            starts.append(start)
+    return starts[:limit]
+
+
 class NgramTrieDrafter:
     """Prompt lookup as a trie: the continuations (at most ``max_depth`` tokens) of the
-    earlier matches of the recent suffix (:func:`match_starts`: longest ``n`` first, then
-    most recent; the first ``4 * max_nodes`` of them) merged into one tree, nodes added in
-    that order until ``max_nodes`` draft nodes. Its first path is the chain drafter's proposal, so greedy decoding accepts at
-    least what the chain would; siblings are distinct tokens, earlier matches first (the
-    order ``sk.verify_tree`` tries deterministic candidates in)."""
+    earlier matches of the recent suffix and of where a broken copy resumes
+    (:func:`trie_starts`; the first ``4 * max_nodes`` of them) merged into one tree, nodes
+    added in that order until ``max_nodes`` draft nodes. Its first path is the chain
+    drafter's proposal, so greedy decoding accepts at least what the chain would; siblings
+    are distinct tokens, earlier candidates first (the order ``sk.verify_tree`` tries
+    deterministic candidates in)."""
 
     def __init__(self, ngram_max: int = 3, max_nodes: int = 16, max_depth: int = 8):
         if max_nodes < 1 or max_depth < 1:
@@ -103,7 +132,7 @@ class NgramTrieDrafter:
         tokens, parents = [int(history[-1]) if history else -1], [-1]
         children: list[dict] = [{}]
         # Each match adds at least one node or repeats a path: a few more than the budget.
-        for start in match_starts(history, self.ngram_max, 4 * self.max_nodes):
+        for start in trie_starts(history, self.ngram_max, 4 * self.max_nodes):
             node = 0
             for token in history[start:start + self.max_depth]:
                 child = children[node].get(token)
