@@ -18,11 +18,12 @@ JOBS        ?= 2
 
 .PHONY: demo test setup build ctest ctest-build pytest bench e2e clean engine-tests engine-tests-vllm engine-tests-flashinfer engine-tests-sglang
 
-demo: build
+# Setup runs as parallel jobs (pip unpacks torch on one core while the C++ core compiles on
+# the other); `make test` then runs the C++ tests, then pytest.
+demo:
+	$(MAKE) -j $(JOBS) build
 	$(PY) -m specdec_kernels.demo
 
-# Setup runs as parallel jobs (pip unpacks torch on one core while the C++ core compiles on
-# the other), then the C++ tests, then pytest.
 test:
 	$(MAKE) -j $(JOBS) build ctest-build
 	$(MAKE) ctest pytest
