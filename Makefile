@@ -8,6 +8,7 @@ PY          := $(VENV)/bin/python
 TOOLS_STAMP := $(VENV)/.tools-stamp
 DEPS_STAMP  := $(VENV)/.deps-stamp
 CORE_LIB    := build/cmake/libspecdec_core.a
+CORE_STAMP  := build/cmake/.built
 ASAN_STAMP  := build/cmake-asan/.built
 EXT_STAMP   := build/.ext-stamp
 INSTALL_STAMP := build/.install-stamp
@@ -53,9 +54,11 @@ CMAKE       := $(VENV)/bin/cmake
 CTEST       := $(VENV)/bin/ctest
 NINJA       := $(abspath $(VENV)/bin/ninja)
 CTEST_CUDA  ?= $(if $(CUDA_HOME),$(if $(filter 1,$(SPECDEC_FORCE_CPU)),ON,OFF),ON)
-$(CORE_LIB): $(TOOLS_STAMP) CMakeLists.txt $(CSRC)
-	$(CMAKE) -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(NINJA) -DCMAKE_BUILD_TYPE=Release -DSPECDEC_CUDA=$(CTEST_CUDA)
-	$(CMAKE) --build build/cmake -j $(JOBS)
+CORE_BUILD  = $(CMAKE) -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(NINJA) -DCMAKE_BUILD_TYPE=Release -DSPECDEC_CUDA=$(CTEST_CUDA) && $(CMAKE) --build build/cmake -j $(JOBS)
+# The stamp, not the archive, is the target: ninja rewrites the archive before it links the
+# tests, so a build that fails after it must not look done.
+$(CORE_STAMP): $(TOOLS_STAMP) CMakeLists.txt $(CSRC)
+	$(CORE_BUILD)
 	touch $@
 
 # The same core and tests under AddressSanitizer and UBSan (niced: the Release core and pip
@@ -65,7 +68,7 @@ $(ASAN_STAMP): $(TOOLS_STAMP) CMakeLists.txt $(CSRC)
 	nice -n 10 $(CMAKE) --build build/cmake-asan -j $(JOBS)
 	touch $@
 
-$(EXT_STAMP): $(DEPS_STAMP) $(CORE_LIB) setup.py $(CSRC)
+$(EXT_STAMP): $(DEPS_STAMP) $(CORE_STAMP) setup.py $(CSRC)
 	SPECDEC_CORE_LIB=$(CORE_LIB) MAX_JOBS=$(JOBS) $(PY) setup.py build_ext --inplace
 	mkdir -p build && touch $@
 
@@ -76,9 +79,11 @@ $(INSTALL_STAMP): $(EXT_STAMP)
 	SPECDEC_SKIP_EXTENSION=1 $(PY) -m pip install --no-build-isolation --no-deps -q -e .
 	touch $@
 
-ctest-build: $(CORE_LIB) $(ASAN_STAMP)
+ctest-build: $(CORE_STAMP) $(ASAN_STAMP)
 
+# The core build again (a no-op when nothing changed; it reconfigures when CTEST_CUDA does).
 ctest: ctest-build
+	$(CORE_BUILD)
 	$(CTEST) --test-dir build/cmake --output-on-failure
 	$(CTEST) --test-dir build/cmake-asan --output-on-failure
 

@@ -54,8 +54,10 @@ def _extension():
         "csrc/core/sampling_cpu_avx512.cpp",
     ]
     sources = ["csrc/torch/ops.cpp", "csrc/torch/ops_sampling_cpu.cpp", "csrc/torch/module.cpp"]
-    # The core prebuilt by CMake (same optimisation and floating-point flags, position-
-    # independent) is linked as an archive, after the objects that use it; else compiled here.
+    # The core prebuilt by CMake (the same -O3 and floating-point flags, position-
+    # independent; without the -g -fwrapv Python adds here, which change no value of code free
+    # of signed overflow, as the UBSan build checks) is linked as an archive, after the
+    # objects that use it; else compiled here. A newer archive relinks the extension.
     core_lib = os.environ.get("SPECDEC_CORE_LIB")
     if core_lib:
         if not Path(core_lib).is_file():
@@ -63,6 +65,7 @@ def _extension():
         extra_objects = [str(Path(core_lib).resolve())]
     else:
         sources, extra_objects = core_sources + sources, []
+    depends = extra_objects
     include_dirs = [str(ROOT / "csrc" / "core"), str(ROOT / "csrc" / "torch")]
     # No -std flag: torch.utils.cpp_extension adds the standard its headers need (C++20 in
     # recent releases, C++17 in older ones); the core itself is plain C++17.
@@ -82,6 +85,7 @@ def _extension():
             sources + ["csrc/torch/ops_cuda.cpp", "csrc/core/kernels.cu"],
             include_dirs=include_dirs,
             extra_objects=extra_objects,
+            depends=depends,
             define_macros=[("SPECDEC_WITH_CUDA", "1")],
             extra_link_args=link_flags,
             extra_compile_args={
@@ -98,6 +102,7 @@ def _extension():
         sources,
         include_dirs=include_dirs,
         extra_objects=extra_objects,
+        depends=depends,
         extra_compile_args={"cxx": cxx_flags},
         extra_link_args=link_flags,
     )

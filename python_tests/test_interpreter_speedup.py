@@ -41,3 +41,57 @@ def test_installed_once_and_launches_restore_the_language():
         once = torch.where(x > 0, x * 2, -x)
         torch.testing.assert_close(out, torch.where(once > 0, once * 2, -once) + x.sum())
         assert {name: getattr(tl, name) for name in before} == before
+
+
+
+_SEQUENCE = """
+import sys, torch, triton, triton.language as tl
+if sys.argv[1] == "patched":
+    sys.path.insert(0, sys.argv[2])
+    import interpreter_speedup
+    assert interpreter_speedup.install()
+sys.path.insert(0, sys.argv[3])
+import speedup_core_only
+
+
+@triton.jit
+def identity(x):
+    return x
+
+
+@triton.jit
+def kernel(p, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(p + offs)
+    tl.store(p + offs, x + 1 + tl.zeros_like(x))  # zeros_like: a helper seeing tl.core only
+
+
+identity(3)  # outside any launch: it patches, and nothing restores that
+p = torch.zeros(4)
+speedup_core_only.kernel[(1,)](p)
+kernel[(1,)](p, N=4)
+print(p.tolist())
+"""
+
+
+def test_calls_outside_a_launch_and_core_only_modules_patch_as_before(tmp_path):
+    """In a fresh process (what earlier launches leave patched differs by test order): a jit
+    function called outside any launch, a kernel whose module sees only triton.language.core,
+    then one whose helper sees only tl.core. The output equals stock Triton's (an earlier
+    version kept a stale record after the first call and skipped a needed patch: it failed
+    with "Did you forget to add @triton.jit")."""
+    import subprocess
+    import sys
+    (tmp_path / "speedup_core_only.py").write_text(
+        "import triton\nfrom triton.language import core\n\n\n@triton.jit\n"
+        "def kernel(p):\n    x = core.load(p)\n    core.store(p, x + 1)\n")
+    script = tmp_path / "sequence.py"
+    script.write_text(_SEQUENCE)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    outputs = [subprocess.run([sys.executable, str(script), mode, here, str(tmp_path)],
+                              capture_output=True, text=True, env=env, timeout=120)
+               for mode in ("stock", "patched")]
+    for run in outputs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert outputs[0].stdout == outputs[1].stdout == "[2.0, 1.0, 1.0, 1.0]\n"
