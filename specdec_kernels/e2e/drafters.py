@@ -105,11 +105,8 @@ def trie_starts(history: Sequence[int], ngram_max: int, limit: int) -> list[int]
     then :func:`resync_starts`, then the other matches of :func:`match_starts`; each position
     once, at most ``limit``."""
     matches = match_starts(history, ngram_max, limit)
-    starts: list[int] = []
-    for start in matches[:1] + resync_starts(history, ngram_max) + matches[1:]:
-        if start not in starts:
-            starts.append(start)
-    return starts[:limit]
+    ordered = matches[:1] + resync_starts(history, ngram_max) + matches[1:]
+    return list(dict.fromkeys(ordered))[:limit]
 
 
 class NgramTrieDrafter:
