@@ -327,7 +327,8 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
                   visible: torch.Tensor, depth: torch.Tensor,
                   rows: Optional[torch.Tensor] = None, write_offset: int = 0,
                   lengths: Optional[torch.Tensor] = None,
-                  profile: Optional[dict] = None) -> torch.Tensor:
+                  profile: Optional[dict] = None,
+                  logits: bool = True) -> Optional[torch.Tensor]:
     """One forward of ``n`` new positions per request; returns their logits ``[B, n, V]``.
 
     Args:
@@ -348,6 +349,8 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
             (``verify_chain_packed``'s row order). Not with ``rows``.
         profile: optional seconds per phase (:data:`~.config.PHASES`): adds this call's
             ``masks`` (masks and position ids), ``cache_writes`` and ``forward`` (the rest).
+        logits: ``False``: only the K/V are wanted (a prefill); returns ``None`` without the
+            output head's ``rows x vocabulary`` product.
     """
     start = time.perf_counter()
     batch, n = tokens.shape
@@ -358,9 +361,10 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
                          f"{lengths.tolist()} (rows {'given' if rows is not None else 'None'})")
     if lengths is not None and batch == 1:  # one request: its first lengths[0] positions
         used = int(lengths[0])
-        return forward_block(model, cache, tokens[:, :used], kv_lens,
-                             visible[:, :used, :write_offset + used], depth[:, :used],
-                             write_offset=write_offset, profile=profile)[0]
+        out = forward_block(model, cache, tokens[:, :used], kv_lens,
+                            visible[:, :used, :write_offset + used], depth[:, :used],
+                            write_offset=write_offset, profile=profile, logits=logits)
+        return out[0] if out is not None else None
     span = write_offset + n
     width = int(kv_lens.max()) + span
     if width > cache.capacity:
@@ -402,17 +406,20 @@ def forward_block(model, cache: SlotCache, tokens: torch.Tensor, kv_lens: torch.
     finally:
         _PACKED.reset(token)
         cache.write_rows = None
-    if packed is not None:
-        hidden = hidden[0]
-    elif rows is not None:
-        hidden = hidden.gather(1, rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
-    logits = model.get_output_embeddings()(hidden).float()
+    if not logits:
+        out = None
+    else:
+        if packed is not None:
+            hidden = hidden[0]
+        elif rows is not None:
+            hidden = hidden.gather(1, rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        out = model.get_output_embeddings()(hidden).float()
     if profile is not None:
         writes = cache.write_seconds - writes_before
         profile["masks"] += model_start - start
         profile["cache_writes"] += writes
         profile["forward"] += time.perf_counter() - model_start - writes
-    return logits
+    return out
 
 
 def chain_visibility(batch: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,7 +430,10 @@ def chain_visibility(batch: int, n: int, device) -> tuple[torch.Tensor, torch.Te
 
 
 def prefill(model, cache: SlotCache, prompts: list[list[int]], device) -> torch.Tensor:
-    """Write each prompt but its last token; returns kv_lens (that token becomes pending)."""
+    """Write each prompt but its last token; returns kv_lens (that token becomes pending).
+    The prompts are packed (the matmuls see their total length, not the batch times the
+    longest: prompts of different lengths pad a batch by ~20% on the copy task), and no
+    logits are computed."""
     lengths = [len(p) - 1 for p in prompts]
     width = max(max(lengths), 1)
     tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
@@ -431,6 +441,6 @@ def prefill(model, cache: SlotCache, prompts: list[list[int]], device) -> torch.
         tokens[b, :len(p) - 1] = torch.tensor(p[:-1], dtype=torch.long)
     kv_lens = torch.zeros(len(prompts), dtype=torch.long, device=device)
     visible, depth = chain_visibility(len(prompts), width, device)
-    forward_block(model, cache, tokens, kv_lens, visible, depth,
-                  rows=torch.zeros(len(prompts), 1, dtype=torch.long, device=device))
+    packed = torch.tensor(lengths, device=device) if min(lengths) >= 1 else None
+    forward_block(model, cache, tokens, kv_lens, visible, depth, lengths=packed, logits=False)
     return torch.tensor(lengths, dtype=torch.long, device=device)
