@@ -65,7 +65,6 @@ def _extension():
         extra_objects = [str(Path(core_lib).resolve())]
     else:
         sources, extra_objects = core_sources + sources, []
-    depends = extra_objects
     include_dirs = [str(ROOT / "csrc" / "core"), str(ROOT / "csrc" / "torch")]
     # No -std flag: torch.utils.cpp_extension adds the standard its headers need (C++20 in
     # recent releases, C++17 in older ones); the core itself is plain C++17.
@@ -85,7 +84,7 @@ def _extension():
             sources + ["csrc/torch/ops_cuda.cpp", "csrc/core/kernels.cu"],
             include_dirs=include_dirs,
             extra_objects=extra_objects,
-            depends=depends,
+            depends=extra_objects,
             define_macros=[("SPECDEC_WITH_CUDA", "1")],
             extra_link_args=link_flags,
             extra_compile_args={
@@ -102,7 +101,7 @@ def _extension():
         sources,
         include_dirs=include_dirs,
         extra_objects=extra_objects,
-        depends=depends,
+        depends=extra_objects,
         extra_compile_args={"cxx": cxx_flags},
         extra_link_args=link_flags,
     )

@@ -43,7 +43,6 @@ def test_installed_once_and_launches_restore_the_language():
         assert {name: getattr(tl, name) for name in before} == before
 
 
-
 _SEQUENCE = """
 import sys, torch, triton, triton.language as tl
 if sys.argv[1] == "patched":

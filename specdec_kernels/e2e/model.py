@@ -441,6 +441,7 @@ def prefill(model, cache: SlotCache, prompts: list[list[int]], device) -> torch.
         tokens[b, :len(p) - 1] = torch.tensor(p[:-1], dtype=torch.long)
     kv_lens = torch.zeros(len(prompts), dtype=torch.long, device=device)
     visible, depth = chain_visibility(len(prompts), width, device)
-    packed = torch.tensor(lengths, device=device) if min(lengths) >= 1 else None
-    forward_block(model, cache, tokens, kv_lens, visible, depth, lengths=packed, logits=False)
-    return torch.tensor(lengths, dtype=torch.long, device=device)
+    written = torch.tensor(lengths, dtype=torch.long, device=device)
+    forward_block(model, cache, tokens, kv_lens, visible, depth,
+                  lengths=written if min(lengths) >= 1 else None, logits=False)
+    return written
