@@ -49,6 +49,7 @@ struct Elem<Dtype::kFloat16> {
 // byte per token GCC took 64 tokens per AVX-512 step, spilling registers.
 template <Dtype D, bool Masked>
 struct Row {
+  static constexpr Dtype kDtype = D;
   const typename Elem<D>::T* data;
   int64_t vocab;
   const uint32_t* allowed;  // ~0u: allowed, 0: masked (Masked only)
@@ -88,6 +89,19 @@ SPECDEC_INLINE const uint32_t* allowed_masks(const int32_t* words, int64_t vocab
   return out;
 }
 
+// A row with no NaN, no infinity and no masked token (RowRange::min > -inf): the same values
+// as its Row, loaded without the sanitising selects.
+template <Dtype D>
+struct CleanRow {
+  const typename Elem<D>::T* data;
+  int64_t vocab;
+  SPECDEC_INLINE float operator()(int64_t i) const { return Elem<D>::raw(data[i]); }
+};
+template <class R>
+SPECDEC_INLINE CleanRow<R::kDtype> clean_row(const R& row) {
+  return CleanRow<R::kDtype>{row.data, row.vocab};
+}
+
 template <class F>
 SPECDEC_INLINE void with_row(const RowView& view, F&& body) {
   switch (view.dtype) {
@@ -109,16 +123,12 @@ SPECDEC_INLINE void with_row(const RowView& view, F&& body) {
   }
 }
 
-// exp for x <= 88 (Cephes' single-precision polynomial, within 2 ulps), subnormal results
-// included (the reference's probabilities go down to FLT_TRUE_MIN): 0 below -104 (where exp
-// rounds to 0 anyway) and exp(-inf) = 0. Branch-free: vectorises.
-SPECDEC_INLINE float fast_exp(float x) {
-  const bool underflow = !(x >= -104.0f);  // also -inf (NaN never reaches here)
-  // An underflowing lane computes exp(0) and returns 0: every lane is computed (the loops
-  // vectorise), and clamping it to -104 instead would make subnormal products, which cost a
-  // microcode assist per lane on x86 (masked tokens are -inf: half a masked row).
-  x = underflow ? 0.0f : x;
-  x = x > 88.0f ? 88.0f : x;
+// exp(x) = y * 2**k for x in [-104, 88] (Cephes' single-precision polynomial, within 2 ulps).
+struct ExpParts {
+  float y;
+  int32_t k;
+};
+SPECDEC_INLINE ExpParts exp_parts(float x) {
   float n = x * 1.44269504088896341f;
   n = (n + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2**23)
   float r = x - n * 0.693359375f;
@@ -129,14 +139,35 @@ SPECDEC_INLINE float fast_exp(float x) {
   poly = poly * r + 4.1665795894e-2f;
   poly = poly * r + 1.6666665459e-1f;
   poly = poly * r + 5.0000001201e-1f;
-  const float y = poly * r * r + r + 1.0f;
+  return ExpParts{poly * r * r + r + 1.0f, static_cast<int32_t>(n)};
+}
+
+// exp for x <= 88, subnormal results included (the reference's probabilities go down to
+// FLT_TRUE_MIN): 0 below -104 (where exp rounds to 0 anyway) and exp(-inf) = 0. Branch-free:
+// vectorises.
+SPECDEC_INLINE float fast_exp(float x) {
+  const bool underflow = !(x >= -104.0f);  // also -inf (NaN never reaches here)
+  // An underflowing lane computes exp(0) and returns 0: every lane is computed (the loops
+  // vectorise), and clamping it to -104 instead would make subnormal products, which cost a
+  // microcode assist per lane on x86 (masked tokens are -inf: half a masked row).
+  x = underflow ? 0.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const ExpParts e = exp_parts(x);
   // y * 2**k for k in -150..127: below 2**-126 as (y * 2**(k + 64)) * 2**-64, an exact product
   // and one rounding to the subnormal result (for k >= -126 the second factor is 1: exact).
-  const int32_t k = static_cast<int32_t>(n);
-  const bool tiny = k < -126;
-  const float scale = bits_float(static_cast<uint32_t>((tiny ? k + 64 : k) + 127) << 23);
+  const bool tiny = e.k < -126;
+  const float scale = bits_float(static_cast<uint32_t>((tiny ? e.k + 64 : e.k) + 127) << 23);
   const float rescale = tiny ? 5.42101086242752217e-20f : 1.0f;  // 2**-64
-  return underflow ? 0.0f : (y * scale) * rescale;
+  return underflow ? 0.0f : (e.y * scale) * rescale;
+}
+
+// fast_exp for x in [kNormalExpMin, 0], bit for bit: there k is in [-126, 0] (the result is
+// normal), so the underflow, the clamp and the subnormal rescale are no-ops. The hot passes
+// of a row whose every (x - x_max) / T lies there (a "clean" row: RowRange) use it.
+constexpr float kNormalExpMin = -87.0f;
+SPECDEC_INLINE float normal_exp(float x) {
+  const ExpParts e = exp_parts(x);
+  return e.y * bits_float(static_cast<uint32_t>(e.k + 127) << 23);
 }
 
 // Order-preserving keys of floats (x < y <=> key(x) < key(y), -0 just below +0).
@@ -169,25 +200,40 @@ SPECDEC_INLINE float cut_of(float z_lo, float temperature) {
 struct Keep {
   float x_max, temperature, x_lo, e_tau;
   SPECDEC_INLINE float e(float x) const { return fast_exp((x - x_max) / temperature); }
-  // e at temperature 1, without the division (d / 1 == d exactly): the hot passes of T = 1
-  // rows are instantiated with Unit = true.
-  template <bool Unit>
+  // The hot passes' e: Unit for T = 1 rows (d / 1 == d exactly: no division), Clean for clean
+  // rows (normal_exp: the same values).
+  template <bool Unit, bool Clean = false>
   SPECDEC_INLINE float e_of(float x) const {
-    return Unit ? fast_exp(x - x_max) : e(x);
+    const float d = Unit ? x - x_max : (x - x_max) / temperature;
+    return Clean ? normal_exp(d) : fast_exp(d);
   }
-  template <bool Unit = false>
+  template <bool Unit = false, bool Clean = false>
   SPECDEC_INLINE float weight(float x) const {
     // Two selects on values computed unconditionally (nested ones, or a bool &, let the
     // compiler sink the exp into a branch, and loops like the residual's stay scalar).
-    const float value = e_of<Unit>(x);
+    const float value = e_of<Unit, Clean>(x);
     const float kept = value >= e_tau ? value : 0.0f;
     return x >= x_lo ? kept : 0.0f;
   }
 };
 SPECDEC_INLINE Keep keep_of(const RowStats& s) { return Keep{s.x_max, s.temperature, s.x_lo, s.e_tau}; }
 
-// The largest logit, as the largest key: an integer max reduction vectorises (a float one
-// needs -ffast-math); -inf for a row with no finite logit.
+// The largest and the smallest logit, as keys: an integer max reduction vectorises (a float
+// one needs -ffast-math); max -inf for a row with no finite logit, min -inf for a row with a
+// NaN, an infinity or a masked token.
+struct RowRange {
+  float max, min;
+};
+template <class R>
+SPECDEC_INLINE RowRange row_range(const R& row) {
+  uint32_t best = 0, least = 0xFFFFFFFFu;
+  for (int64_t i = 0; i < row.vocab; ++i) {
+    const uint32_t key = sort_key(row(i));
+    best = key > best ? key : best;
+    least = key < least ? key : least;
+  }
+  return RowRange{key_value(best), key_value(least)};
+}
 template <class R>
 SPECDEC_INLINE float row_max(const R& row) {
   uint32_t best = 0;

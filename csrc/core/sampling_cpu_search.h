@@ -114,14 +114,14 @@ SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double tar
 
 // Fills scratch with keys and weights over the domain (finite, x / T >= z_lo): e, or 1 for a
 // count.
-template <bool Mass, bool Unit = false, class R>
+template <bool Mass, bool Unit = false, bool Clean = false, class R>
 SPECDEC_INLINE void fill_candidates(const R& row, const Keep& keep, Scratch& scratch) {
   uint32_t* keys = scratch.keys.data();
   float* weights = scratch.weights.data();
   for (int64_t i = 0; i < row.vocab; ++i) {
     const float x = row(i);
     keys[i] = sort_key(x);
-    const float value = Mass ? keep.e_of<Unit>(x) : (x > -kInf ? 1.0f : 0.0f);  // e(-inf) = 0
+    const float value = Mass ? keep.e_of<Unit, Clean>(x) : (x > -kInf ? 1.0f : 0.0f);  // e(-inf) = 0
     weights[i] = x >= keep.x_lo ? value : 0.0f;
   }
 }

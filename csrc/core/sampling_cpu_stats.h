@@ -2,13 +2,36 @@
 // Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
 // inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
 
+template <class F>
+SPECDEC_INLINE void with_flag(bool flag, F&& body) {
+  if (flag) {
+    body(std::true_type{});
+  } else {
+    body(std::false_type{});
+  }
+}
+
+// The norm pass: the sum of the kept e, written to out. Without a cut (no top-k, min-p or
+// top-p) keep.weight's two selects keep every e (e >= 0 and x >= -inf: x is never NaN), so
+// they are left out: the same values.
+template <bool Unit, bool Clean, bool Cut, class R>
+SPECDEC_INLINE float kept_sum(const R& row, const Keep& keep, float* out) {
+  return lane_sum(
+      [keep, row](int64_t i) SPECDEC_INLINE_LAMBDA {
+        const float x = row(i);
+        return Cut ? keep.weight<Unit, Clean>(x) : keep.e_of<Unit, Clean>(x);
+      },
+      0, row.vocab, out);
+}
+
 template <class R>
 SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& scratch) {
   RowStats s;
   const int64_t vocab = row.vocab;
   s.temperature = filters.temperature;
   s.greedy = filters.temperature == 0.0f;
-  s.x_max = row_max(row);
+  const RowRange range = row_range(row);
+  s.x_max = range.max;
   s.has_finite = s.x_max > -kInf;
   s.z_lo = -kInf;
   s.x_lo = -kInf;  // no cut until the filters set one (also on the early returns)
@@ -47,6 +70,12 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
   }
   s.x_lo = cut_of(s.z_lo, temperature);
   Keep keep = keep_of(s);
+  const bool unit = temperature == 1.0f;
+  // Clean: every (x - x_max) / T in [kNormalExpMin, 0] (division and subtraction round
+  // monotonically, so the smallest x bounds them all): the exp passes take normal_exp.
+  const bool clean =
+      range.min > -kInf &&
+      (unit ? range.min - s.x_max : (range.min - s.x_max) / temperature) >= kNormalExpMin;
   // The next cache slot (two in turn: the race after a rejection needs the target row's and
   // the draft row's, the last two computed).
   CachedRow& slot = scratch.cached[scratch.generation & 1];
@@ -55,11 +84,14 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
   s.cache = &slot;
   s.cache_generation = slot.generation;
   if (use_top_p) {  // the largest e whose kept mass reaches top_p of the top-k/min-p set
-    if (temperature == 1.0f) {
-      fill_candidates<true, true>(row, keep, scratch);
-    } else {
-      fill_candidates<true, false>(row, keep, scratch);
-    }
+    with_flag(unit, [&](auto unit_flag) {
+      constexpr bool kUnit = decltype(unit_flag)::value;
+      if (clean) {
+        fill_candidates<true, kUnit, true>(clean_row(row), keep, scratch);
+      } else {
+        fill_candidates<true, kUnit, false>(row, keep, scratch);
+      }
+    });
     if (search_threshold(scratch, vocab, 0.0, static_cast<double>(filters.top_p), key)) {
       s.e_tau = keep.e(key_value(key));
     }
@@ -74,15 +106,14 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
         0, vocab, slot.weights.data());
     return s;
   }
-  if (temperature == 1.0f) {
-    s.norm = lane_sum(
-        [keep, row](int64_t i) SPECDEC_INLINE_LAMBDA { return keep.weight<true>(row(i)); }, 0,
-        vocab, slot.weights.data());
-  } else {
-    s.norm = lane_sum(
-        [keep, row](int64_t i) SPECDEC_INLINE_LAMBDA { return keep.weight<false>(row(i)); }, 0,
-        vocab, slot.weights.data());
-  }
+  float* out = slot.weights.data();
+  with_flag(unit, [&](auto unit_flag) {
+    with_flag(s.x_lo > -kInf, [&](auto cut_flag) {
+      constexpr bool kUnit = decltype(unit_flag)::value, kCut = decltype(cut_flag)::value;
+      s.norm = clean ? kept_sum<kUnit, true, kCut>(clean_row(row), keep, out)
+                     : kept_sum<kUnit, false, kCut>(row, keep, out);
+    });
+  });
   return s;
 }
 

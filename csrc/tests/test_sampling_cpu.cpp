@@ -13,6 +13,15 @@
 #include "harness.h"
 #include "sampling_cpu.h"
 
+// The bodies, compiled here once more (this file's target and flags) to test their parts.
+namespace specdec {
+namespace cpu {
+namespace parts {
+#include "sampling_cpu_body.h"
+}  // namespace parts
+}  // namespace cpu
+}  // namespace specdec
+
 using namespace specdec::cpu;
 
 namespace {
@@ -368,6 +377,70 @@ void test_one_law_edges_and_builds() {
   CHECK(set_isa(chosen.c_str()));
 }
 
+// A clean row's passes (normal_exp, loads without sanitising, no selects without a cut) give
+// the general passes' values bit for bit: the exp over a sweep of [kNormalExpMin, 0], and the
+// norm pass's weights and sum and top-p's candidate weights on rows of every dtype.
+void test_clean_rows_take_the_general_values() {
+  using namespace parts;
+  int64_t swept = 0;
+  for (uint32_t bits = 0x80000000u; bits <= float_bits(kNormalExpMin); bits += 991) {
+    CHECK(float_bits(normal_exp(bits_float(bits))) == float_bits(fast_exp(bits_float(bits))));
+    ++swept;
+  }
+  CHECK(swept > 1000000);
+  CHECK(normal_exp(kNormalExpMin) == fast_exp(kNormalExpMin) && normal_exp(-0.0f) == 1.0f);
+  std::mt19937 rng(16);
+  std::normal_distribution<float> normal(0.0f, 6.0f);
+  const int64_t vocab = 1000;  // tails shorter than a block and than a vector
+  std::vector<float> x(vocab);
+  std::vector<uint16_t> bf16(vocab);
+  for (int64_t i = 0; i < vocab; ++i) {
+    x[i] = normal(rng);
+    bf16[i] = static_cast<uint16_t>(float_bits(x[i]) >> 16);
+  }
+  std::vector<float> general(vocab), clean(vocab);
+  Scratch scratch;
+  for (const float temperature : {1.0f, 0.5f, 3.0f}) {
+    for (const float x_lo : {-kInf, -2.0f}) {
+      const Row<Dtype::kFloat32, false> row{reinterpret_cast<const uint32_t*>(x.data()), vocab, nullptr};
+      const Row<Dtype::kBFloat16, false> half_row{bf16.data(), vocab, nullptr};
+      const Keep keep{row_range(row).max, temperature, x_lo, 0.0f};
+      const Keep half_keep{row_range(half_row).max, temperature, x_lo, 0.0f};
+      CHECK((row_range(row).min - keep.x_max) / temperature >= kNormalExpMin);
+      const float sum = kept_sum<false, false, true>(row, keep, general.data());
+      if (x_lo == -kInf) {  // no cut: the selects left out
+        CHECK(float_bits(kept_sum<false, true, false>(clean_row(row), keep, clean.data())) ==
+              float_bits(sum));
+        CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
+        CHECK(float_bits(kept_sum<false, false, false>(row, keep, clean.data())) ==
+              float_bits(sum));
+        CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
+      }
+      CHECK(float_bits(kept_sum<false, true, true>(clean_row(row), keep, clean.data())) ==
+            float_bits(sum));
+      CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
+      const float half_sum = kept_sum<false, false, true>(half_row, half_keep, general.data());
+      CHECK(float_bits(kept_sum<false, true, true>(clean_row(half_row), half_keep,
+                                                   clean.data())) == float_bits(half_sum));
+      CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
+      if (temperature == 1.0f) {
+        CHECK(float_bits(kept_sum<true, true, true>(clean_row(row), keep, clean.data())) ==
+              float_bits(sum));
+      }
+      scratch.keys.resize(vocab);
+      scratch.weights.resize(vocab);
+      fill_candidates<true, false, false>(row, keep, scratch);
+      const std::vector<float> candidates(scratch.weights.begin(), scratch.weights.end());
+      fill_candidates<true, false, true>(clean_row(row), keep, scratch);
+      CHECK(std::memcmp(candidates.data(), scratch.weights.data(), vocab * 4) == 0);
+    }
+  }
+  // A NaN, an infinity or a masked token makes a row unclean (its min is -inf).
+  x[7] = std::numeric_limits<float>::quiet_NaN();
+  CHECK(row_range(Row<Dtype::kFloat32, false>{reinterpret_cast<const uint32_t*>(x.data()), vocab, nullptr}).min ==
+        -kInf);
+}
+
 }  // namespace
 
 int main() {
@@ -378,5 +451,6 @@ int main() {
   test_verify_and_sample_known_answers();
   test_verify_tree_known_answers_and_garbage();
   test_one_law_edges_and_builds();
+  test_clean_rows_take_the_general_values();
   TEST_MAIN_RETURN();
 }
