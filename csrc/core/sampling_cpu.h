@@ -95,6 +95,7 @@ struct Scratch {
   std::vector<float> weights;
   std::vector<uint32_t> candidate_keys;  // the tokens of the search's bin
   std::vector<float> candidate_weights;
+  std::vector<uint32_t> candidate_index;  // top-p's kept tokens' ids (vector builds)
   std::vector<double> hist;
 };
 

@@ -13,13 +13,16 @@
 #include "sampling_cpu.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>  // outside the target region: GCC's intrinsics carry their own targets
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #pragma GCC optimize("fp-contract=off", "no-trapping-math")  // as the baseline build (setup.py)
 namespace specdec {
 namespace cpu {
 namespace avx2 {
+#define SPECDEC_AVX2 1  // the bodies' few explicit AVX2 paths (the search's compaction)
 #include "sampling_cpu_impl.h"
+#undef SPECDEC_AVX2
 }  // namespace avx2
 }  // namespace cpu
 }  // namespace specdec

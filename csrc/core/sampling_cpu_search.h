@@ -20,49 +20,175 @@ SPECDEC_INLINE int walk_bins(const double* hist, uint32_t bins, double target, d
   return -1;
 }
 
+// The sum of n weights in double: 16 per-lane sums in a fixed order (the same on every build).
+SPECDEC_INLINE double double_sum(const float* weights, int64_t n) {
+  double lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lane[l] += static_cast<double>(weights[i + l]);
+  }
+  double total = 0.0;
+  for (; i < n; ++i) total += static_cast<double>(weights[i]);
+  for (int l = 0; l < kLanes; ++l) total += lane[l];
+  return total;
+}
+
+// The first level: the 2048 bins of key >> 21, token `index(i)` into hist[index(i) & 1] (two
+// histograms: no store-to-load chain on one bin), walked from the top to `target`
+// (walk_bins: the bin, -1 when never reached; `above`, the mass of the bins over it).
+// (index null: token i's id is i.)
+SPECDEC_INLINE int first_level(Scratch& scratch, const uint32_t* keys, const float* weights,
+                               int64_t n, const uint32_t* index, double target, double& above) {
+  scratch.hist.assign(2 * 2048, 0.0);
+  double* hist = scratch.hist.data();
+  if (index == nullptr) {
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+      hist[keys[i] >> 21] += weights[i];
+      hist[2048 + (keys[i + 1] >> 21)] += weights[i + 1];
+    }
+    if (i < n) hist[keys[i] >> 21] += weights[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) hist[(index[i] & 1u) << 11 | keys[i] >> 21] += weights[i];
+  }
+  for (uint32_t bin = 0; bin < 2048; ++bin) hist[bin] += hist[2048 + bin];
+  above = 0.0;
+  return walk_bins(hist, 2048, target, above);
+}
+
+#if defined(SPECDEC_AVX512) || defined(SPECDEC_AVX2)
+#define SPECDEC_KEPT_FIRST_LEVEL 1
+#if !defined(SPECDEC_AVX512)
+// Lane indices that move the lanes set in an 8-bit mask to the front, in order: AVX2's
+// stand-in for AVX-512's register compress.
+struct CompressTable {
+  alignas(32) int32_t index[256][8];
+  CompressTable() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int n = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        if (mask >> lane & 1) index[mask][n++] = lane;
+      }
+      while (n < 8) index[mask][n++] = 0;
+    }
+  }
+};
+SPECDEC_INLINE const CompressTable& compress_table() {
+  static const CompressTable table;
+  return table;
+}
+#endif
+
+// The tokens with key >= key_floor, in order, into out_keys / out_weights / out_index (their
+// ids); the count. Whole-vector stores at the count (count <= j: in bounds; slots past the
+// count are overwritten or never read).
+SPECDEC_INLINE int64_t keep_from_key(const uint32_t* keys, const float* weights, int64_t n,
+                                     uint32_t key_floor, uint32_t* out_keys,
+                                     float* out_weights, uint32_t* out_index) {
+  int64_t count = 0, j = 0;
+#if defined(SPECDEC_AVX512)
+  const __m512i floor16 = _mm512_set1_epi32(static_cast<int32_t>(key_floor));
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; j + 16 <= n; j += 16) {
+    const __m512i k = _mm512_loadu_si512(keys + j);
+    const __mmask16 keep = _mm512_cmpge_epu32_mask(k, floor16);
+    const __m512i ids = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(j)));
+    _mm512_storeu_si512(out_keys + count, _mm512_maskz_compress_epi32(keep, k));
+    _mm512_storeu_ps(out_weights + count,
+                     _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(weights + j)));
+    _mm512_storeu_si512(out_index + count, _mm512_maskz_compress_epi32(keep, ids));
+    count += __builtin_popcount(keep);
+  }
+#else
+  const CompressTable& table = compress_table();
+  const __m256i floor8 = _mm256_set1_epi32(static_cast<int32_t>(key_floor));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; j + 8 <= n; j += 8) {
+    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + j));
+    const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(k, floor8), k);  // k >= floor
+    const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(keep));
+    const __m256i move = _mm256_load_si256(reinterpret_cast<const __m256i*>(table.index[mask]));
+    const __m256i ids = _mm256_add_epi32(lanes, _mm256_set1_epi32(static_cast<int32_t>(j)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_keys + count),
+                        _mm256_permutevar8x32_epi32(k, move));
+    _mm256_storeu_ps(out_weights + count,
+                     _mm256_permutevar8x32_ps(_mm256_loadu_ps(weights + j), move));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_index + count),
+                        _mm256_permutevar8x32_epi32(ids, move));
+    count += __builtin_popcount(mask);
+  }
+#endif
+  for (; j < n; ++j) {  // branch-free: store always, advance on a match
+    out_keys[count] = keys[j];
+    out_weights[count] = weights[j];
+    out_index[count] = static_cast<uint32_t>(j);
+    count += keys[j] >= key_floor;
+  }
+  return count;
+}
+#endif
+
 // scratch.keys / scratch.weights [0, V) hold every token's key and weight (0 outside the
 // domain). The largest key t with sum(weight of key >= t) >= target, i.e. the value of the
 // threshold token; false when the whole domain does not reach the target. With
-// `target_fraction` > 0 the target is that fraction of the domain's total (top-p).
+// `target_fraction` > 0 the target is that fraction of the domain's total (top-p), in double,
+// and `floor_key(e)` is a key below which tokens have about that e at most (a hint).
+template <class FloorKey>
 SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double target,
-                                     double target_fraction, uint32_t& threshold_key) {
-  uint32_t* keys = scratch.keys.data();
-  float* weights = scratch.weights.data();
-  scratch.hist.assign(2 * 2048, 0.0);
-  double* hist[2] = {scratch.hist.data(), scratch.hist.data() + 2048};
-  int64_t i = 0;
-  for (; i + 2 <= vocab; i += 2) {  // two histograms: no store-to-load chain on one bin
-    hist[0][keys[i] >> 21] += weights[i];
-    hist[1][keys[i + 1] >> 21] += weights[i + 1];
-  }
-  if (i < vocab) hist[0][keys[i] >> 21] += weights[i];
-  double total = 0.0;
-  for (uint32_t bin = 0; bin < 2048; ++bin) {
-    hist[0][bin] += hist[1][bin];
-    total += hist[0][bin];
-  }
-  if (target_fraction > 0.0) target = target_fraction * total;
-  double above = 0.0;
-  const int top = walk_bins(hist[0], 2048, target, above);
-  if (top < 0) return false;
-  // The candidates: the tokens of that bin with a weight, in their own buffers (keys and
-  // weights stay as they are: the caller sums the kept weights from them).
+                                     double target_fraction, const FloorKey& floor_key,
+                                     uint32_t& threshold_key) {
   if (scratch.candidate_keys.size() < static_cast<size_t>(vocab)) {
     scratch.candidate_keys.resize(vocab);
     scratch.candidate_weights.resize(vocab);
+    scratch.candidate_index.resize(vocab);
   }
-  const uint32_t* all_keys = keys;
-  const float* all_weights = weights;
-  keys = scratch.candidate_keys.data();
-  weights = scratch.candidate_weights.data();
+  const uint32_t* all_keys = scratch.keys.data();
+  const float* all_weights = scratch.weights.data();
+  uint32_t* keys = scratch.candidate_keys.data();
+  float* weights = scratch.candidate_weights.data();
+  double above = 0.0;
+  int top = -1;
+  bool searched = false;
+  if (target_fraction > 0.0) {
+    const double total = double_sum(all_weights, vocab);
+    target = target_fraction * total;
+#if defined(SPECDEC_KEPT_FIRST_LEVEL)
+    // Top-p in the vector builds: the first level over the tokens of the bins from that of
+    // the key of e = (1 - top_p) * total / (2 V) up, whose sums are the full level's (the
+    // same tokens, each into its id's histogram). When the walk ends among them the answer
+    // is the full search's (the bins above are the same); else the full level runs. The
+    // other builds run the full level: the same answer.
+    const uint32_t key_floor = floor_key(static_cast<float>(
+        0.5 * (1.0 - target_fraction) * total / static_cast<double>(vocab))) & ~0x1FFFFFu;
+    uint32_t* index = scratch.candidate_index.data();
+    const int64_t kept = keep_from_key(all_keys, all_weights, vocab, key_floor, keys, weights,
+                                       index);
+    top = first_level(scratch, keys, weights, kept, index, target, above);
+    if (top >= 0) {
+      all_keys = keys;  // the candidates below come from the kept tokens, in place
+      all_weights = weights;
+      vocab = kept;
+      searched = true;
+    }
+#else
+    (void)floor_key;
+#endif
+  }
+  if (!searched) {
+    top = first_level(scratch, all_keys, all_weights, vocab, nullptr, target, above);
+  }
+  if (top < 0) return false;
+  // The candidates: the tokens of that bin with a weight, in their own buffers (keys and
+  // weights stay as they are: the caller sums the kept weights from them).
   // Branch-free compaction (store always, advance on a match): a bin holds a few percent of
   // the tokens, scattered, and a branch on it mispredicts.
   int64_t count = 0;
   int64_t j = 0;
 #if defined(SPECDEC_AVX512)
   // AVX-512: 16 tokens a step, the matches compressed in a register and stored whole (count
-  // + 16 <= j + 16 <= vocab: in bounds; slots past count are overwritten or never read). A
-  // register compress, not the compress-store, which is microcoded on some processors.
+  // + 16 <= j + 16 <= vocab: in bounds; slots past count are overwritten or never read; in
+  // place when the source is the kept tokens: the store is after the load). A register
+  // compress, not the compress-store, which is microcoded on some processors.
   const __m512i top_bin = _mm512_set1_epi32(top);
   for (; j + 16 <= vocab; j += 16) {
     const __m512i k = _mm512_loadu_si512(all_keys + j);
@@ -75,21 +201,24 @@ SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double tar
   }
 #endif
   for (; j < vocab; ++j) {
-    keys[count] = all_keys[j];
-    weights[count] = all_weights[j];
-    count += ((all_keys[j] >> 21) == static_cast<uint32_t>(top)) & (all_weights[j] > 0.0f);
+    const uint32_t k = all_keys[j];  // (read before the store: the source may be keys)
+    const float w = all_weights[j];
+    keys[count] = k;
+    weights[count] = w;
+    count += ((k >> 21) == static_cast<uint32_t>(top)) & (w > 0.0f);
   }
+  double* hist = scratch.hist.data();
   uint32_t key = static_cast<uint32_t>(top) << 21;
   for (int level = 1; level < 3; ++level) {
     const uint32_t bins = kLevelBins[level];
     const int shift = kLevelShift[level];
-    for (uint32_t bin = 0; bin < bins; ++bin) hist[0][bin] = 0.0;
-    for (int64_t j = 0; j < count; ++j) hist[0][(keys[j] >> shift) & (bins - 1)] += weights[j];
-    int bin = walk_bins(hist[0], bins, target, above);
+    for (uint32_t bin = 0; bin < bins; ++bin) hist[bin] = 0.0;
+    for (int64_t j = 0; j < count; ++j) hist[(keys[j] >> shift) & (bins - 1)] += weights[j];
+    int bin = walk_bins(hist, bins, target, above);
     const bool keep_all = bin < 0;  // the bin reached the target, its parts in another order
     if (keep_all) {                 // did not: keep it all
       bin = 0;
-      while (hist[0][bin] == 0.0 && bin + 1 < static_cast<int>(bins)) ++bin;
+      while (hist[bin] == 0.0 && bin + 1 < static_cast<int>(bins)) ++bin;
     }
     key |= static_cast<uint32_t>(bin) << shift;
     int64_t kept = 0;
@@ -121,7 +250,8 @@ SPECDEC_INLINE void fill_candidates(const R& row, const Keep& keep, Scratch& scr
   for (int64_t i = 0; i < row.vocab; ++i) {
     const float x = row(i);
     keys[i] = sort_key(x);
-    const float value = Mass ? keep.e_of<Unit, Clean>(x) : (x > -kInf ? 1.0f : 0.0f);  // e(-inf) = 0
+    // (e(-inf) = 0)
+    const float value = Mass ? keep.e_of<Unit, Clean>(x) : (x > -kInf ? 1.0f : 0.0f);
     weights[i] = x >= keep.x_lo ? value : 0.0f;
   }
 }

@@ -61,9 +61,11 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
     }
   }
   uint32_t key = 0;
+  const auto no_floor = [](float) SPECDEC_INLINE_LAMBDA { return 0u; };
   if (use_top_k) {  // the k-th largest logit, ties kept: z >= z(x_k)
     fill_candidates<false>(row, Keep{s.x_max, temperature, -kInf, 0.0f}, scratch);
-    if (search_threshold(scratch, vocab, static_cast<double>(filters.top_k), 0.0, key)) {
+    if (search_threshold(scratch, vocab, static_cast<double>(filters.top_k), 0.0, no_floor,
+                         key)) {
       const float z_k = key_value(key) / temperature;
       s.z_lo = z_k > s.z_lo ? z_k : s.z_lo;
     }
@@ -92,7 +94,14 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
         fill_candidates<true, kUnit, false>(row, keep, scratch);
       }
     });
-    if (search_threshold(scratch, vocab, 0.0, static_cast<double>(filters.top_p), key)) {
+    // A hint for the search: the key of x with e(x) = e (0, no hint, where that is not finite).
+    const float x_max = s.x_max;
+    const auto floor_key = [x_max, temperature](float e) SPECDEC_INLINE_LAMBDA {
+      const float x = x_max + temperature * std::log(e);
+      return x > -kInf && x <= x_max ? sort_key(x) : 0u;
+    };
+    if (search_threshold(scratch, vocab, 0.0, static_cast<double>(filters.top_p), floor_key,
+                         key)) {
       s.e_tau = keep.e(key_value(key));
     }
     // norm from the weights the search left (e where x >= x_lo, else 0): keep.weight's values

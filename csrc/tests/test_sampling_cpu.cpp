@@ -21,6 +21,31 @@ namespace parts {
 }  // namespace parts
 }  // namespace cpu
 }  // namespace specdec
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SPECDEC_TEST_AVX2 1
+#include <immintrin.h>
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2")
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
+namespace specdec {
+namespace cpu {
+namespace parts_avx2 {  // the AVX2 build's parts (its explicit paths: the kept first level)
+#define SPECDEC_AVX2 1
+#include "sampling_cpu_body.h"
+#undef SPECDEC_AVX2
+// The search with a hint: 0 the ops' (the key of e), 1 none, 2 one that keeps too little.
+__attribute__((noinline)) bool search_with_hint(Scratch& scratch, int64_t vocab, float top_p,
+                                                float x_max, int hint, uint32_t& key) {
+  const auto floor_key = [x_max, hint](float e) {
+    return hint == 0 ? sort_key(x_max + std::log(e)) : hint == 1 ? 0u : sort_key(x_max);
+  };
+  return search_threshold(scratch, vocab, 0.0, top_p, floor_key, key);
+}
+}  // namespace parts_avx2
+}  // namespace cpu
+}  // namespace specdec
+#pragma GCC pop_options
+#endif
 
 using namespace specdec::cpu;
 
@@ -441,6 +466,45 @@ void test_clean_rows_take_the_general_values() {
         -kInf);
 }
 
+// Top-p's first level over the kept bins only (the vector builds) gives the full level's
+// threshold, whatever the hint: a good one, none, and one that keeps too little (the full
+// level runs then).
+void test_kept_first_level_matches_the_full_one() {
+#if defined(SPECDEC_TEST_AVX2)
+  if (!__builtin_cpu_supports("avx2")) return;
+  std::mt19937 rng(28);
+  for (const float scale : {3.0f, 12.0f, 0.01f}) {
+    std::normal_distribution<float> normal(0.0f, scale);
+    for (const int64_t vocab : {int64_t{1}, int64_t{37}, int64_t{3001}, int64_t{49152}}) {
+      std::vector<float> x(vocab);
+      for (auto& v : x) v = normal(rng);
+      if (vocab > 1) x[vocab / 2] = x[0];  // a tie
+      for (const float top_p : {0.5f, 0.9f, 0.999f}) {
+        Scratch full_scratch;
+        const parts::Row<Dtype::kFloat32, false> row{reinterpret_cast<const uint32_t*>(x.data()),
+                                                     vocab, nullptr};
+        const float x_max = parts::row_range(row).max;
+        const parts::Keep keep{x_max, 1.0f, -std::numeric_limits<float>::infinity(), 0.0f};
+        full_scratch.keys.resize(vocab);
+        full_scratch.weights.resize(vocab);
+        parts::fill_candidates<true, true>(row, keep, full_scratch);
+        uint32_t want = 0;
+        const auto none = [](float) { return 0u; };
+        CHECK(parts::search_threshold(full_scratch, vocab, 0.0, top_p, none, want));
+        for (int hint = 0; hint < 3; ++hint) {
+          Scratch scratch;
+          scratch.keys = full_scratch.keys;
+          scratch.weights = full_scratch.weights;
+          uint32_t got = 1;
+          const bool found = parts_avx2::search_with_hint(scratch, vocab, top_p, x_max, hint, got);
+          CHECK(found && got == want);
+        }
+      }
+    }
+  }
+#endif
+}
+
 }  // namespace
 
 int main() {
@@ -452,5 +516,6 @@ int main() {
   test_verify_tree_known_answers_and_garbage();
   test_one_law_edges_and_builds();
   test_clean_rows_take_the_general_values();
+  test_kept_first_level_matches_the_full_one();
   TEST_MAIN_RETURN();
 }
