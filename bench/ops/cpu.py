@@ -113,28 +113,10 @@ def implementations(case: Case, device: torch.device) -> list:
     return impls
 
 
-def last_level_cache_bytes() -> int:
-    """The largest cache this processor reports (sysfs; 32 MiB when it says nothing)."""
-    import glob  # noqa: PLC0415
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        text = open(path).read().strip()
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text[:-1] if text[-1:] in "KMG" else text
-        if digits.isdigit():
-            sizes.append(int(digits) * scale)
-    return max(sizes, default=32 << 20)
-
-
-def interleaved(modes=MODES, dtypes=("fp32", "bf16"), rounds: int = 40, isas=None,
-                cold: bool = True) -> dict:
+def interleaved(modes=MODES, dtypes=("fp32", "bf16"), rounds: int = 40, isas=None) -> dict:
     """Per (dtype, mode): the median time of each build of the C++ path and of the copy of
     the same bytes, timed one call each in turn (round-robin, so that load changes hit all
-    alike), with their ratio: the path's bandwidth as a share of the copy's. ``cold``: before
-    every timed call a buffer of twice the last-level cache is read, so that the call and
-    the copy both read their inputs from memory (the inputs, 14-28 MB, would otherwise stay
-    in a large L3 in part, and the copy with them: from 0.3 to 1.6 ms run to run on a 32 MiB
-    L3)."""
+    alike), with their ratio: the path's bandwidth as a share of the copy's."""
     import os  # noqa: PLC0415
     import platform  # noqa: PLC0415
     import statistics  # noqa: PLC0415
@@ -148,7 +130,6 @@ def interleaved(modes=MODES, dtypes=("fp32", "bf16"), rounds: int = 40, isas=Non
         select = _cpu.set_isa
     else:  # a build from before issue 28 (one dispatched build, not selectable)
         isas, chosen, select = ["default"], "default", lambda name: None
-    evict = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.float32) if cold else None
     results = []
     for dtype in dtypes:
         for mode in modes:
@@ -164,8 +145,6 @@ def interleaved(modes=MODES, dtypes=("fp32", "bf16"), rounds: int = 40, isas=Non
                 for name in times:
                     if name != "copy":
                         select(name)
-                    if evict is not None:  # read, not written: no dirty lines to write back
-                        evict.sum()
                     start = time.perf_counter()
                     (run["copy"] if name == "copy" else run["cpp"])(x)
                     times[name].append(time.perf_counter() - start)
@@ -185,8 +164,7 @@ def interleaved(modes=MODES, dtypes=("fp32", "bf16"), rounds: int = 40, isas=Non
     return {"device_name": device_name(torch.device("cpu")), "machine": platform.machine(),
             "cpu_isa_default": chosen, "isas": isas, "threads": torch.get_num_threads(),
             "load_average_after": os.getloadavg(), "git_commit": commit, "git_dirty": dirty,
-            "rounds": rounds, "cold_inputs": cold,
-            "evicted_bytes": 0 if evict is None else evict.numel() * 4, "pct_copy": "copy time / (2 x call time): the call's bytes per "
+            "rounds": rounds, "pct_copy": "copy time / (2 x call time): the call's bytes per "
             "second over the copy's read + write bytes per second", "rows": results}
 
 
@@ -202,13 +180,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--isas", default="", help="comma-separated subset of baseline,avx2,avx512")
-    parser.add_argument("--warm", action="store_true",
-                        help="no cache eviction between calls (inputs may stay in cache)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     result = interleaved(rounds=args.rounds,
-                         isas=[i for i in args.isas.split(",") if i] or None, cold=not args.warm)
+                         isas=[i for i in args.isas.split(",") if i] or None)
     result["load_average_before"] = load_before
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.stem}.json").write_text(json.dumps(result, indent=1))
