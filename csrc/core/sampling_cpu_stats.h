@@ -74,9 +74,10 @@ SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& 
   Keep keep = keep_of(s);
   const bool unit = temperature == 1.0f;
   // Clean: every (x - x_max) / T in [kNormalExpMin, 0] (division and subtraction round
-  // monotonically, so the smallest x bounds them all): the exp passes take normal_exp.
+  // monotonically, so the smallest x bounds them all; T > 0, which an unvalidated temperature
+  // tensor may not be): the exp passes take normal_exp.
   const bool clean =
-      range.min > -kInf &&
+      range.min > -kInf && temperature > 0.0f &&
       (unit ? range.min - s.x_max : (range.min - s.x_max) / temperature) >= kNormalExpMin;
   // The next cache slot (two in turn: the race after a rejection needs the target row's and
   // the draft row's, the last two computed).

@@ -22,26 +22,34 @@ namespace parts {
 }  // namespace cpu
 }  // namespace specdec
 #if defined(__x86_64__) && defined(__GNUC__)
-#define SPECDEC_TEST_AVX2 1
+// The vector builds' parts, for their explicit paths (the kept first level).
+#define SPECDEC_TEST_VECTOR_BUILDS 1
 #include <immintrin.h>
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #pragma GCC optimize("fp-contract=off", "no-trapping-math")
 namespace specdec {
 namespace cpu {
-namespace parts_avx2 {  // the AVX2 build's parts (its explicit paths: the kept first level)
+namespace parts_avx2 {
 #define SPECDEC_AVX2 1
 #include "sampling_cpu_body.h"
 #undef SPECDEC_AVX2
-// The search with a hint: 0 the ops' (the key of e), 1 none, 2 one that keeps too little.
-__attribute__((noinline)) bool search_with_hint(Scratch& scratch, int64_t vocab, float top_p,
-                                                float x_max, int hint, uint32_t& key) {
-  const auto floor_key = [x_max, hint](float e) {
-    return hint == 0 ? sort_key(x_max + std::log(e)) : hint == 1 ? 0u : sort_key(x_max);
-  };
-  return search_threshold(scratch, vocab, 0.0, top_p, floor_key, key);
-}
+#include "kept_level_checks.h"
 }  // namespace parts_avx2
+}  // namespace cpu
+}  // namespace specdec
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
+namespace specdec {
+namespace cpu {
+namespace parts_avx512 {
+#define SPECDEC_AVX512 1
+#include "sampling_cpu_body.h"
+#undef SPECDEC_AVX512
+#include "kept_level_checks.h"
+}  // namespace parts_avx512
 }  // namespace cpu
 }  // namespace specdec
 #pragma GCC pop_options
@@ -403,8 +411,57 @@ void test_one_law_edges_and_builds() {
 }
 
 // A clean row's passes (normal_exp, loads without sanitising, no selects without a cut) give
-// the general passes' values bit for bit: the exp over a sweep of [kNormalExpMin, 0], and the
-// norm pass's weights and sum and top-p's candidate weights on rows of every dtype.
+// the general passes' values bit for bit: the exp over a sweep of [kNormalExpMin, 0]; the
+// norm pass's weights and sum and top-p's candidate weights on fp32, bf16 and fp16 rows; and
+// stats_of's own choice on rows at and past the -87 boundary, with a NaN, an infinity, a
+// masked token or a negative (unvalidated) temperature, against the general passes.
+template <class R>
+void check_clean_row(const R& row, std::vector<float>& general, std::vector<float>& clean) {
+  using namespace parts;
+  const int64_t vocab = row.vocab;
+  for (const float temperature : {1.0f, 0.5f, 3.0f}) {
+    for (const float x_lo : {-kInf, -2.0f}) {
+      const Keep keep{row_range(row).max, temperature, x_lo, 0.0f};
+      CHECK((row_range(row).min - keep.x_max) / temperature >= kNormalExpMin);
+      const uint32_t sum = float_bits(kept_sum<false, false, true>(row, keep, general.data()));
+      if (x_lo == -kInf) {  // no cut: the selects left out
+        CHECK(float_bits(kept_sum<false, true, false>(clean_row(row), keep, clean.data())) == sum);
+        CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
+        CHECK(float_bits(kept_sum<false, false, false>(row, keep, clean.data())) == sum);
+        CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
+      }
+      CHECK(float_bits(kept_sum<false, true, true>(clean_row(row), keep, clean.data())) == sum);
+      CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
+      if (temperature == 1.0f) {
+        CHECK(float_bits(kept_sum<true, true, true>(clean_row(row), keep, clean.data())) == sum);
+      }
+      Scratch scratch;
+      scratch.keys.resize(vocab);
+      scratch.weights.resize(vocab);
+      fill_candidates<true, false, false>(row, keep, scratch);
+      const std::vector<float> candidates(scratch.weights.begin(), scratch.weights.end());
+      fill_candidates<true, false, true>(clean_row(row), keep, scratch);
+      CHECK(std::memcmp(candidates.data(), scratch.weights.data(), vocab * 4) == 0);
+    }
+  }
+}
+
+// stats_of (which picks the clean passes or not) against the general norm pass.
+template <class R>
+void check_stats_of(const R& row, float temperature) {
+  using namespace parts;
+  Scratch scratch;
+  Filters filters;
+  filters.temperature = temperature;
+  const RowStats s = stats_of(row, filters, scratch);
+  CHECK(s.has_finite && s.cache != nullptr);
+  std::vector<float> general(row.vocab);
+  const Keep keep{s.x_max, temperature, -kInf, 0.0f};
+  CHECK(float_bits(kept_sum<false, false, true>(row, keep, general.data())) ==
+        float_bits(s.norm));
+  CHECK(std::memcmp(general.data(), s.cache->weights.data(), row.vocab * 4) == 0);
+}
+
 void test_clean_rows_take_the_general_values() {
   using namespace parts;
   int64_t swept = 0;
@@ -418,90 +475,102 @@ void test_clean_rows_take_the_general_values() {
   std::normal_distribution<float> normal(0.0f, 6.0f);
   const int64_t vocab = 1000;  // tails shorter than a block and than a vector
   std::vector<float> x(vocab);
-  std::vector<uint16_t> bf16(vocab);
+  std::vector<uint16_t> bf16(vocab), fp16(vocab);
   for (int64_t i = 0; i < vocab; ++i) {
     x[i] = normal(rng);
     bf16[i] = static_cast<uint16_t>(float_bits(x[i]) >> 16);
+    // A half of exponent 0..18 (|x| < 16, subnormal halves included), random sign.
+    fp16[i] = static_cast<uint16_t>((rng() & 0x8000u) | (rng() % 19) << 10 | (rng() & 0x3FFu));
   }
+  const auto* bits = reinterpret_cast<const uint32_t*>(x.data());
   std::vector<float> general(vocab), clean(vocab);
-  Scratch scratch;
-  for (const float temperature : {1.0f, 0.5f, 3.0f}) {
-    for (const float x_lo : {-kInf, -2.0f}) {
-      const Row<Dtype::kFloat32, false> row{reinterpret_cast<const uint32_t*>(x.data()), vocab, nullptr};
-      const Row<Dtype::kBFloat16, false> half_row{bf16.data(), vocab, nullptr};
-      const Keep keep{row_range(row).max, temperature, x_lo, 0.0f};
-      const Keep half_keep{row_range(half_row).max, temperature, x_lo, 0.0f};
-      CHECK((row_range(row).min - keep.x_max) / temperature >= kNormalExpMin);
-      const float sum = kept_sum<false, false, true>(row, keep, general.data());
-      if (x_lo == -kInf) {  // no cut: the selects left out
-        CHECK(float_bits(kept_sum<false, true, false>(clean_row(row), keep, clean.data())) ==
-              float_bits(sum));
-        CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
-        CHECK(float_bits(kept_sum<false, false, false>(row, keep, clean.data())) ==
-              float_bits(sum));
-        CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
-      }
-      CHECK(float_bits(kept_sum<false, true, true>(clean_row(row), keep, clean.data())) ==
-            float_bits(sum));
-      CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
-      const float half_sum = kept_sum<false, false, true>(half_row, half_keep, general.data());
-      CHECK(float_bits(kept_sum<false, true, true>(clean_row(half_row), half_keep,
-                                                   clean.data())) == float_bits(half_sum));
-      CHECK(std::memcmp(general.data(), clean.data(), vocab * 4) == 0);
-      if (temperature == 1.0f) {
-        CHECK(float_bits(kept_sum<true, true, true>(clean_row(row), keep, clean.data())) ==
-              float_bits(sum));
-      }
-      scratch.keys.resize(vocab);
-      scratch.weights.resize(vocab);
-      fill_candidates<true, false, false>(row, keep, scratch);
-      const std::vector<float> candidates(scratch.weights.begin(), scratch.weights.end());
-      fill_candidates<true, false, true>(clean_row(row), keep, scratch);
-      CHECK(std::memcmp(candidates.data(), scratch.weights.data(), vocab * 4) == 0);
+  check_clean_row(Row<Dtype::kFloat32, false>{bits, vocab, nullptr}, general, clean);
+  check_clean_row(Row<Dtype::kBFloat16, false>{bf16.data(), vocab, nullptr}, general, clean);
+  check_clean_row(Row<Dtype::kFloat16, false>{fp16.data(), vocab, nullptr}, general, clean);
+  // stats_of's choice: at the boundary (clean), past it (subnormal e: the general passes),
+  // and negative temperatures (never clean).
+  for (const float low : {-87.0f, -87.5f, -100.0f, -149.0f}) {
+    x[3] = 0.0f;
+    for (int64_t i = 0; i < vocab; ++i) x[i] = std::min(std::max(x[i], low + 1.0f), 0.0f);
+    x[5] = low;
+    for (const float temperature : {1.0f, 0.999f, 2.0f, -1.0f, -0.5f}) {
+      check_stats_of(Row<Dtype::kFloat32, false>{bits, vocab, nullptr}, temperature);
     }
   }
   // A NaN, an infinity or a masked token makes a row unclean (its min is -inf).
-  x[7] = std::numeric_limits<float>::quiet_NaN();
-  CHECK(row_range(Row<Dtype::kFloat32, false>{reinterpret_cast<const uint32_t*>(x.data()), vocab, nullptr}).min ==
-        -kInf);
+  const Row<Dtype::kFloat32, false> row{bits, vocab, nullptr};
+  for (const float special : {std::numeric_limits<float>::quiet_NaN(), kInf, -kInf}) {
+    x[7] = special;
+    CHECK(row_range(row).min == -kInf);
+    check_stats_of(row, 1.0f);
+  }
+  x[7] = 0.0f;
+  std::vector<uint32_t> allowed(vocab, ~0u);
+  CHECK(row_range(Row<Dtype::kFloat32, true>{bits, vocab, allowed.data()}).min > -kInf);
+  allowed[9] = 0u;
+  const Row<Dtype::kFloat32, true> masked{bits, vocab, allowed.data()};
+  CHECK(row_range(masked).min == -kInf);
+  check_stats_of(masked, 1.0f);
 }
 
-// Top-p's first level over the kept bins only (the vector builds) gives the full level's
-// threshold, whatever the hint: a good one, none, and one that keeps too little (the full
-// level runs then).
+// Top-p's first level over the kept bins only (the vector builds): keep_from_key and the
+// kept level's sums against the definitions, and the threshold against the full search's
+// (the baseline's) whatever the hint: a good one, none, and one that keeps too little (the
+// full level runs then); rows with a cut and -inf tokens.
 void test_kept_first_level_matches_the_full_one() {
-#if defined(SPECDEC_TEST_AVX2)
-  if (!__builtin_cpu_supports("avx2")) return;
+#if defined(SPECDEC_TEST_VECTOR_BUILDS)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("bmi2");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
   std::mt19937 rng(28);
+  int64_t searches = 0;
   for (const float scale : {3.0f, 12.0f, 0.01f}) {
     std::normal_distribution<float> normal(0.0f, scale);
-    for (const int64_t vocab : {int64_t{1}, int64_t{37}, int64_t{3001}, int64_t{49152}}) {
+    for (const int64_t vocab : {int64_t{1}, int64_t{7}, int64_t{37}, int64_t{3001},
+                                int64_t{49152}}) {
       std::vector<float> x(vocab);
       for (auto& v : x) v = normal(rng);
       if (vocab > 1) x[vocab / 2] = x[0];  // a tie
-      for (const float top_p : {0.5f, 0.9f, 0.999f}) {
-        Scratch full_scratch;
-        const parts::Row<Dtype::kFloat32, false> row{reinterpret_cast<const uint32_t*>(x.data()),
-                                                     vocab, nullptr};
-        const float x_max = parts::row_range(row).max;
-        const parts::Keep keep{x_max, 1.0f, -std::numeric_limits<float>::infinity(), 0.0f};
-        full_scratch.keys.resize(vocab);
-        full_scratch.weights.resize(vocab);
-        parts::fill_candidates<true, true>(row, keep, full_scratch);
-        uint32_t want = 0;
-        const auto none = [](float) { return 0u; };
-        CHECK(parts::search_threshold(full_scratch, vocab, 0.0, top_p, none, want));
-        for (int hint = 0; hint < 3; ++hint) {
-          Scratch scratch;
-          scratch.keys = full_scratch.keys;
-          scratch.weights = full_scratch.weights;
-          uint32_t got = 1;
-          const bool found = parts_avx2::search_with_hint(scratch, vocab, top_p, x_max, hint, got);
-          CHECK(found && got == want);
+      if (vocab > 7) x[3] = -std::numeric_limits<float>::infinity();
+      const parts::Row<Dtype::kFloat32, false> row{reinterpret_cast<const uint32_t*>(x.data()),
+                                                   vocab, nullptr};
+      const float x_max = parts::row_range(row).max;
+      for (const float x_lo : {-std::numeric_limits<float>::infinity(), x_max - scale}) {
+        Scratch full;
+        full.keys.resize(vocab);
+        full.weights.resize(vocab);
+        parts::fill_candidates<true, true>(row, parts::Keep{x_max, 1.0f, x_lo, 0.0f}, full);
+        for (const uint32_t key_floor :
+             {0u, parts::sort_key(x_max - 2 * scale) & ~0x1FFFFFu,
+              parts::sort_key(x_max) & ~0x1FFFFFu, 0xFFE00000u}) {
+          CHECK(!avx2 || parts_avx2::kept_level_is_the_full_levels(full, vocab, key_floor));
+          CHECK(!avx512 || parts_avx512::kept_level_is_the_full_levels(full, vocab, key_floor));
+        }
+        for (const float top_p : {0.5f, 0.9f, 0.999f}) {
+          Scratch baseline = full;
+          uint32_t want = 0;
+          const auto none = [](float) { return 0u; };
+          CHECK(parts::search_threshold(baseline, vocab, 0.0, top_p, none, want));
+          for (int hint = 0; hint < 3; ++hint) {
+            for (int build = 0; build < 2; ++build) {
+              if (!(build == 0 ? avx2 : avx512)) continue;
+              Scratch scratch = full;
+              uint32_t got = 1;
+              const bool found =
+                  build == 0
+                      ? parts_avx2::search_with_hint(scratch, vocab, top_p, x_max, hint, got)
+                      : parts_avx512::search_with_hint(scratch, vocab, top_p, x_max, hint, got);
+              CHECK(found && got == want);
+              ++searches;
+            }
+          }
         }
       }
     }
   }
+  CHECK(!avx2 || searches > 0);
 #endif
 }
 
