@@ -181,7 +181,7 @@ SPECDEC_INLINE float raw_logprob(const RowView& view, int64_t token) {
   plain.bitmask = nullptr;
   float value = kNaN;
   with_row(plain, [&](const auto& row) {
-    const float x_max = row_max(row);
+    const float x_max = row_range(row).max;
     if (!(x_max > -kInf)) return;
     const float sum = lane_sum(
         [row, x_max](int64_t i) SPECDEC_INLINE_LAMBDA { return fast_exp(row(i) - x_max); }, 0,

@@ -234,15 +234,6 @@ SPECDEC_INLINE RowRange row_range(const R& row) {
   }
   return RowRange{key_value(best), key_value(least)};
 }
-template <class R>
-SPECDEC_INLINE float row_max(const R& row) {
-  uint32_t best = 0;
-  for (int64_t i = 0; i < row.vocab; ++i) {
-    const uint32_t key = sort_key(row(i));
-    best = key > best ? key : best;
-  }
-  return key_value(best);
-}
 
 // Sum of weight(i) over [begin, end), and whether one is > 0. Blocks of weights go to a
 // local buffer first (a plain store loop, which vectorises whatever weight() is), then into

@@ -33,10 +33,10 @@ SPECDEC_INLINE double double_sum(const float* weights, int64_t n) {
   return total;
 }
 
-// The first level: the 2048 bins of key >> 21, token `index(i)` into hist[index(i) & 1] (two
-// histograms: no store-to-load chain on one bin), walked from the top to `target`
-// (walk_bins: the bin, -1 when never reached; `above`, the mass of the bins over it).
-// (index null: token i's id is i.)
+// The first level: the 2048 bins of key >> 21, token i (id index[i], or i when index is null)
+// into the histogram of its id's parity (two histograms: no store-to-load chain on one bin),
+// walked from the top to `target` (walk_bins: the bin, -1 when never reached; `above`, the
+// mass of the bins over it).
 SPECDEC_INLINE int first_level(Scratch& scratch, const uint32_t* keys, const float* weights,
                                int64_t n, const uint32_t* index, double target, double& above) {
   scratch.hist.assign(2 * 2048, 0.0);
@@ -57,7 +57,6 @@ SPECDEC_INLINE int first_level(Scratch& scratch, const uint32_t* keys, const flo
 }
 
 #if defined(SPECDEC_AVX512) || defined(SPECDEC_AVX2)
-#define SPECDEC_KEPT_FIRST_LEVEL 1
 #if !defined(SPECDEC_AVX512)
 // Lane indices that move the lanes set in an 8-bit mask to the front, in order: AVX2's
 // stand-in for AVX-512's register compress.
@@ -152,7 +151,7 @@ SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double tar
   if (target_fraction > 0.0) {
     const double total = double_sum(all_weights, vocab);
     target = target_fraction * total;
-#if defined(SPECDEC_KEPT_FIRST_LEVEL)
+#if defined(SPECDEC_AVX512) || defined(SPECDEC_AVX2)
     // Top-p in the vector builds: the first level over the tokens of the bins from that of
     // the key of e = (1 - top_p) * total / (2 V) up, whose sums are the full level's (the
     // same tokens, each into its id's histogram). When the walk ends among them the answer
