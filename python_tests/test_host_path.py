@@ -132,6 +132,21 @@ def test_broadcast_scalars_are_cached_and_bounded():
     assert len(_params._BROADCAST_CACHE) <= _params._BROADCAST_CACHE_SIZE
 
 
+def test_a_hit_broadcast_survives_the_next_misses(monkeypatch):
+    """Least recently used out first: a full cache whose oldest entry a call has just hit
+    evicts another on that call's next miss. (First in, first out evicted it: the second of two
+    identical verify calls then paid a fill, when earlier tests had filled the cache.)"""
+    monkeypatch.setattr(_params, "_BROADCAST_CACHE", type(_params._BROADCAST_CACHE)())
+    cpu = torch.device("cpu")
+    for value in range(_params._BROADCAST_CACHE_SIZE):
+        _params.broadcast(value, 3, torch.int64, cpu)
+    used = _params.broadcast(0, 3, torch.int64, cpu)  # a hit on the oldest entry
+    _params.broadcast(-1, 3, torch.int64, cpu)  # a miss: one entry out
+    assert _params.broadcast(0, 3, torch.int64, cpu) is used
+    assert (1, 3) not in {(key[1], key[2]) for key in _params._BROADCAST_CACHE}
+    assert len(_params._BROADCAST_CACHE) == _params._BROADCAST_CACHE_SIZE
+
+
 def test_unsigned_64_bit_seed_is_its_twos_complement():
     logits = torch.randn(3, 100)
     unsigned = sk.sample(logits, seed=2**64 - 5, offset=2**63 + 1)

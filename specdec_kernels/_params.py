@@ -12,6 +12,7 @@ synchronise, and fail under CUDA-graph capture).
 """
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from dataclasses import dataclass
@@ -103,10 +104,12 @@ def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
 
 # Broadcast scalars, kept per (value, batch, dtype, device, stream): an engine that passes the
 # same temperature every step pays neither an allocation nor a fill kernel. The tensors are
-# internal (never returned to the caller, never written). Bounded: oldest entry out first.
-_BROADCAST_CACHE: dict = {}
+# internal (never returned to the caller, never written). Bounded, least recently used out
+# first: a value a call hits must survive the misses of that same call (first in, first out
+# evicted an engine's steady temperature while it was in use).
+_BROADCAST_CACHE: collections.OrderedDict = collections.OrderedDict()
 _BROADCAST_CACHE_SIZE = 256
-_BROADCAST_LOCK = threading.Lock()  # misses only: a hit is one dict lookup
+_BROADCAST_LOCK = threading.Lock()  # misses only: a hit is a lookup and a move to the end
 
 
 def _stream_key(device: torch.device) -> int:
@@ -138,11 +141,15 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
     key = (type(value), value, batch, dtype, device, _stream_key(device))
     cached = _BROADCAST_CACHE.get(key)
     if cached is not None:
+        try:
+            _BROADCAST_CACHE.move_to_end(key)
+        except KeyError:  # evicted by another thread since the lookup: the tensor stays valid
+            pass
         return cached
     tensor = torch.full((batch,), value, dtype=dtype, device=device)
     with _BROADCAST_LOCK:
         if len(_BROADCAST_CACHE) >= _BROADCAST_CACHE_SIZE:
-            del _BROADCAST_CACHE[next(iter(_BROADCAST_CACHE))]
+            _BROADCAST_CACHE.popitem(last=False)
         _BROADCAST_CACHE[key] = tensor
     return tensor
 
