@@ -325,12 +325,23 @@ def _ranged(value, spread) -> str:
     return f"{value:.2f} [{spread['min']:.2f}-{spread['max']:.2f}]"
 
 
+def _row_paths(model) -> dict:
+    """The matmul path of each small row count the model's linears take (``{}``: stock)."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            return {str(rows): path for rows, path in
+                    sorted(getattr(module, "_row_paths", {}).items()) if path != "linear"}
+    return {}
+
+
 def summary_table(report: dict) -> str:
     meta = report["meta"]
     lines = ["# End-to-end speculative generation\n",
              f"{meta['device_name']}; target {meta['target_model']}; draft "
              f"{meta['draft_model']}; commit {meta['git_commit'][:12]}; {meta['timestamp']}"
-             + (f"; {meta['note']}" if meta.get("note") else "") + "\n",
+             + (f"; {meta['note']}" if meta.get("note") else "")
+             + (f"; rows by W @ x^T: {meta['small_row_paths']}" if meta.get("small_row_paths")
+                else "") + "\n",
              "| task | batch | T | drafter | method | K | tok/s | plain | x plain [min-max] | "
              "hf_plain | hf_prompt_lookup | hf_assisted | x hf_prompt_lookup [min-max] | "
              "x hf_plain | accepted/step | draft share | p50 ms | p99 ms | greedy = plain |",
@@ -499,7 +510,8 @@ def main(argv=None) -> dict:
             "preset": args.preset, "methods": args.methods or "per spec",
             "groups": args.groups or "all", "max_new_tokens": args.max_new_tokens,
             "load_s": round(load_s, 1), "cpu": cpu_info(), "repeats": args.repeats,
-            "loadavg_start": os.getloadavg(), "note": args.note}
+            "loadavg_start": os.getloadavg(), "note": args.note,
+            "small_row_paths": _row_paths(model)}
     report = {"meta": meta, "rows": [], "checks": {}}
     started = time.perf_counter()
     groups = PRESETS[args.preset]

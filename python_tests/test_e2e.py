@@ -292,19 +292,26 @@ def test_policy_replay_counts_what_the_record_accepts():
     assert replay(never, 1, 4, lambda rows: 1.0)["accepted"] == 0
 
 
-def test_small_row_linear_equals_f_linear_and_is_undone():
-    from specdec_kernels.e2e.model import use_small_row_linear
+@pytest.mark.parametrize("path", ["measured", "linear", "columns", "two_columns"])
+def test_small_row_linear_equals_f_linear_and_is_undone(path):
+    from specdec_kernels.e2e import model as M
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False))
-    inputs = [torch.randn(rows, 64) for rows in range(1, 9)] + [torch.randn(2, 3, 64)]
+    inputs = [torch.randn(rows, 64) for rows in range(1, 9)] + [torch.randn(2, 3, 64),
+                                                                 torch.randn(M.SMALL_ROWS + 1, 64)]
     with torch.no_grad():
         stock = [model(x) for x in inputs]
-        use_small_row_linear(model)
+        paths = M.use_small_row_linear(
+            model, paths=None if path == "measured" else dict.fromkeys(range(1, 9), path))
+        assert set(paths) <= set(range(1, M.SMALL_ROWS + 1))
+        assert set(paths.values()) <= {M.LINEAR, M.COLUMNS, M.TWO_COLUMNS}
         assert all("forward" in m.__dict__ for m in model)
         for x, expected in zip(inputs, stock):
             assert torch.allclose(model(x), expected, atol=1e-5), x.shape
-        use_small_row_linear(model, enable=False)
-        assert not any("forward" in m.__dict__ for m in model)
+        M.use_small_row_linear(model, enable=False)
+        assert not any("forward" in m.__dict__ or "_row_paths" in m.__dict__ for m in model)
+    # Measured once per process (dtype, threads, weight shapes): a second model reuses it.
+    assert M.small_row_paths(model) is M.small_row_paths(model)
 
 
 def _match_starts_by_definition(history, ngram_max):
