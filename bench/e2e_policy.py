@@ -117,7 +117,8 @@ def replay(records: list[dict], batch: int, policy: Policy,
                            for p, i in zip(proposals, live)]
             if adaptive is not None:
                 lengths = adaptive.choose([len(p) for p in proposals],
-                                          [match_context(m) for _, m in found])
+                                          [match_context(m) for _, m in found],
+                                          [len(chunk[i]["answer"]) - done[i] for i in live])
             elif policy == "oracle":
                 lengths = will_accept
             else:

@@ -188,6 +188,17 @@ def test_a_request_without_proposals_still_comes_to_its_probe():
     assert chosen == [0] * 7 + [adaptive.probe_length]
 
 
+def test_no_request_drafts_more_than_it_may_still_emit():
+    """Drafts past a request's remaining budget less one could never be emitted (the step
+    adds a token of its own): a row each, for nothing."""
+    adaptive = AdaptiveLength(3, 8, row_exponent=0.0)  # rows cost nothing: draft all you may
+    for b in range(3):
+        for _ in range(20):
+            adaptive.observe(b, 8, 8)
+    assert adaptive.choose([8, 8, 8]) == [8, 8, 8]
+    assert adaptive.choose([8, 8, 8], remaining=[1, 3, 20]) == [0, 2, 8]
+
+
 def test_adaptive_trees_are_rejected(models, requests):
     model, draft, _ = models
     with pytest.raises(ValueError, match="num_draft_tokens"):
@@ -294,7 +305,7 @@ def test_policy_replay_counts_what_the_record_accepts():
 
 @pytest.mark.parametrize("path", ["measured", "linear", "columns", "two_columns"])
 def test_small_row_linear_equals_f_linear_and_is_undone(path):
-    from specdec_kernels.e2e import model as M
+    from specdec_kernels.e2e import small_rows as M
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False))
     inputs = [torch.randn(rows, 64) for rows in range(1, 9)] + [torch.randn(2, 3, 64),

@@ -144,16 +144,20 @@ class AdaptiveLength:
         mean_x, mean_y, exponent = self._power_law()
         return math.exp(mean_y + exponent * (math.log(rows) - mean_x))
 
-    def choose(self, available: Sequence[int],
-               contexts: Optional[Sequence] = None) -> list[int]:
+    def choose(self, available: Sequence[int], contexts: Optional[Sequence] = None,
+               remaining: Optional[Sequence[int]] = None) -> list[int]:
         """Draft lengths for the live requests; ``available[b]``: the most drafts request
         ``b`` can have this step (an n-gram's proposal length; ``max_len`` for a model);
-        ``contexts[b]``: the proposal's context (hashable; None: none)."""
+        ``contexts[b]``: the proposal's context (hashable; None: none); ``remaining[b]``:
+        the most tokens request ``b`` may still emit (None: no bound): it drafts at most
+        ``remaining[b] - 1``, the most it could emit with the token verification adds."""
         batch = len(available)
         self.context = list(contexts) if contexts is not None else [None] * batch
         if self.calibrate and not self.samples:  # first a plain step: the unit
             return [0] * batch
         caps = [min(int(a), self.max_len) for a in available]
+        if remaining is not None:
+            caps = [min(c, max(int(r) - 1, 0)) for c, r in zip(caps, remaining)]
         pooled = self.batch_rates()
         rates = [self.rates(b, pooled) if caps[b] else [] for b in range(batch)]
         lengths, best_lengths = [0] * batch, [0] * batch

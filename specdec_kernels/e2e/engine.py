@@ -115,8 +115,9 @@ def _generate(target, requests, sampling, speculation, draft_model, eos_token_id
             step_seeds = seeds[live].to(device)
             offsets = torch.tensor([steps[i] for i in live], dtype=torch.long, device=device)
         clock.lap("python")
-        plan = _plan(spec, drafter, adaptive, history, live, pending, kv_lens, step_seeds,
-                     offsets, clock)
+        remaining = [requests[i].max_new_tokens - len(generated[i]) for i in live]
+        plan = _plan(spec, drafter, adaptive, history, live, remaining, pending, kv_lens,
+                     step_seeds, offsets, clock)
         if plan is None and drafter is not None and hasattr(drafter, "skip"):
             drafter.skip(pending)
         clock.lap("drafting")
@@ -255,8 +256,8 @@ def _max_nodes(spec: Speculation) -> int:
     return k + 1
 
 
-def _plan(spec, drafter, adaptive, history, live, pending, kv_lens, seeds, offsets,
-          clock: PhaseClock) -> Optional[DraftPlan]:
+def _plan(spec, drafter, adaptive, history, live, remaining, pending, kv_lens, seeds,
+          offsets, clock: PhaseClock) -> Optional[DraftPlan]:
     if drafter is None:
         return None
     if spec.tree:
@@ -271,7 +272,7 @@ def _plan(spec, drafter, adaptive, history, live, pending, kv_lens, seeds, offse
         available = [len(p) for p in proposals] if ngram else [cap] * len(live)
         contexts = [match_context(m) for _, m in found] if ngram else None
         clock.lap("drafting")
-        lengths = adaptive.choose(available, contexts)
+        lengths = adaptive.choose(available, contexts, remaining)
         clock.lap("policy")
     else:
         lengths = [cap] * len(live)
