@@ -33,6 +33,7 @@ from specdec_kernels.e2e.config import Sampling, Speculation, Stats, replace
 from specdec_kernels.e2e.engine import cache_recompute_error, generate, warm_up as loop_warm_up
 from specdec_kernels.e2e.verify import methods_for, verify_methods
 from specdec_kernels.e2e.model import early_exit_draft, load_model
+from specdec_kernels.e2e.small_rows import row_paths_in_use
 from specdec_kernels.e2e.peers import hf_generate
 from specdec_kernels.e2e.tasks import task_requests
 
@@ -327,11 +328,7 @@ def _ranged(value, spread) -> str:
 
 def _row_paths(model) -> dict:
     """The matmul path of each small row count the model's linears take (``{}``: stock)."""
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            return {str(rows): path for rows, path in
-                    sorted(getattr(module, "_row_paths", {}).items()) if path != "linear"}
-    return {}
+    return {str(rows): path for rows, path in row_paths_in_use(model).items()}
 
 
 def summary_table(report: dict) -> str:

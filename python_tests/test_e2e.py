@@ -317,10 +317,13 @@ def test_small_row_linear_equals_f_linear_and_is_undone(path):
         assert set(paths) <= set(range(1, M.SMALL_ROWS + 1))
         assert set(paths.values()) <= {M.LINEAR, M.COLUMNS, M.TWO_COLUMNS}
         assert all("forward" in m.__dict__ for m in model)
+        assert M.row_paths_in_use(model) == {
+            r: p for r, p in sorted(paths.items()) if p != M.LINEAR}
         for x, expected in zip(inputs, stock):
             assert torch.allclose(model(x), expected, atol=1e-5), x.shape
         M.use_small_row_linear(model, enable=False)
         assert not any("forward" in m.__dict__ or "_row_paths" in m.__dict__ for m in model)
+        assert M.row_paths_in_use(model) == {}
     # Measured once per process (dtype, threads, weight shapes): a second model reuses it.
     assert M.small_row_paths(model) is M.small_row_paths(model)
 

@@ -100,3 +100,13 @@ def use_small_row_linear(model, enable: bool = True, paths: Optional[dict] = Non
                 module.__dict__.pop("forward", None)
                 module.__dict__.pop("_row_paths", None)
     return paths if enable else {}
+
+
+def row_paths_in_use(model) -> dict:
+    """The path of each row count the model's linears take where it is not the stock
+    ``F.linear`` (``{}``: stock everywhere), as :func:`use_small_row_linear` installed them."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            return {rows: path for rows, path in
+                    sorted(getattr(module, "_row_paths", {}).items()) if path != LINEAR}
+    return {}

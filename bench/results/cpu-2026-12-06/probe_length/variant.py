@@ -1,0 +1,17 @@
+"""Run bench.e2e with AdaptiveLength patched: VARIANT env picks the change."""
+import os, sys
+sys.path.insert(0, "/work/main")
+import specdec_kernels.e2e.engine as engine
+from specdec_kernels.e2e.adaptive import AdaptiveLength
+variant = os.environ.get("VARIANT", "base")
+
+class Patched(AdaptiveLength):
+    def __init__(self, batch, max_len, **kw):
+        if variant == "probe1" and batch >= 8 and kw.get("probe_length", 4) > 1:
+            kw["probe_length"] = 1
+        if variant == "gap8" and batch >= 8:
+            kw["probe_every"] = 8
+        super().__init__(batch, max_len, **kw)
+engine.AdaptiveLength = Patched
+from bench.e2e import main
+main(sys.argv[1:])
