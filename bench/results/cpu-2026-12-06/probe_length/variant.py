@@ -12,6 +12,11 @@ class Patched(AdaptiveLength):
         if variant == "gap8" and batch >= 8:
             kw["probe_every"] = 8
         super().__init__(batch, max_len, **kw)
+    def observe(self, b, drafted, accepted):
+        probing, gap = self.probing[b], self.gap[b]
+        super().observe(b, drafted, accepted)
+        if variant == "halve" and probing and accepted:
+            self.gap[b] = max(self.probe_every, gap // 2)
 engine.AdaptiveLength = Patched
 from bench.e2e import main
 main(sys.argv[1:])
