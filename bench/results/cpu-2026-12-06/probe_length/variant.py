@@ -1,6 +1,11 @@
-"""Run bench.e2e with AdaptiveLength patched: VARIANT env picks the change."""
-import os, sys
-sys.path.insert(0, "/work/main")
+"""bench.e2e with the adaptive policy patched at batch >= 8; VARIANT picks the change (base,
+probe1, gap8, halve). From the repository root:
+VARIANT=gap8 python bench/results/cpu-2026-12-06/probe_length/variant.py --preset issue26 \
+    --groups 2,3 --repeats 3 --threads 1 --no-plots --out /tmp/gap8"""
+import os
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 import specdec_kernels.e2e.engine as engine
 from specdec_kernels.e2e.adaptive import AdaptiveLength
 variant = os.environ.get("VARIANT", "base")
