@@ -1,5 +1,5 @@
 """bench.e2e with the adaptive policy patched at batch >= 8; VARIANT picks the change (base,
-probe1, gap8, halve). From the repository root:
+probe1, gap8, halve, gated). From the repository root:
 VARIANT=gap8 python bench/results/cpu-2026-12-06/probe_length/variant.py --preset issue26 \
     --groups 2,3 --repeats 3 --threads 1 --no-plots --out /tmp/gap8"""
 import os
@@ -22,6 +22,24 @@ class Patched(AdaptiveLength):
         super().observe(b, drafted, accepted)
         if variant == "halve" and probing and accepted:
             self.gap[b] = max(self.probe_every, gap // 2)
+        if variant == "gated" and self.batch >= 8:
+            if not hasattr(self, "held"):
+                self.held = {}
+            self.held[b] = gap if probing and accepted else None
+
+    def choose(self, available, contexts=None, remaining=None):
+        held = getattr(self, "held", {})
+        lengths = super().choose(available, contexts, remaining)
+        # gated: a probe's success keeps its short gap only if the choice then drafts
+        for b, gap in held.items():
+            if gap is not None and b < len(lengths) and lengths[b] == 0:
+                self.gap[b] = min(2 * gap, 8 * self.probe_every)
+        self.held = {}
+        return lengths
+
+    def select(self, rows):
+        super().select(rows)
+        self.held = {}
 engine.AdaptiveLength = Patched
 from bench.e2e import main
 main(sys.argv[1:])
