@@ -12,6 +12,7 @@ variant = os.environ.get("VARIANT", "base")
 
 class Patched(AdaptiveLength):
     def __init__(self, batch, max_len, **kw):
+        self.held = {}  # gated: row -> its gap before a probe that accepted
         if variant == "probe1" and batch >= 8 and kw.get("probe_length", 4) > 1:
             kw["probe_length"] = 1
         if variant == "gap8" and batch >= 8:
@@ -20,19 +21,19 @@ class Patched(AdaptiveLength):
     def observe(self, b, drafted, accepted):
         probing, gap = self.probing[b], self.gap[b]
         super().observe(b, drafted, accepted)
-        if variant == "halve" and probing and accepted:
+        if self.batch < 8 or not (probing and accepted):
+            return
+        if variant == "halve":
             self.gap[b] = max(self.probe_every, gap // 2)
-        if variant == "gated" and self.batch >= 8:
-            if not hasattr(self, "held"):
-                self.held = {}
-            self.held[b] = gap if probing and accepted else None
+        if variant == "gated":
+            self.held[b] = gap
 
     def choose(self, available, contexts=None, remaining=None):
-        held = getattr(self, "held", {})
+        held = self.held
         lengths = super().choose(available, contexts, remaining)
         # gated: a probe's success keeps its short gap only if the choice then drafts
         for b, gap in held.items():
-            if gap is not None and b < len(lengths) and lengths[b] == 0:
+            if b < len(lengths) and lengths[b] == 0:
                 self.gap[b] = min(2 * gap, 8 * self.probe_every)
         self.held = {}
         return lengths
