@@ -211,6 +211,47 @@ def test_adaptive_trees_are_rejected(models, requests):
                  draft_model=draft)
 
 
+@pytest.mark.parametrize("change, error, name", [
+    ({"requests": []}, ValueError, r"requests: expected at least one"),
+    ({"prompt": []}, ValueError, r"requests\[1\]\.prompt: expected at least one token"),
+    ({"prompt": [-1]}, ValueError, r"requests\[1\]\.prompt: token ids must be in"),
+    ({"prompt": "vocab"}, ValueError, r"requests\[1\]\.prompt: token ids must be in"),
+    ({"prompt": [1.5]}, TypeError, r"requests\[1\]\.prompt: expected a list of int"),
+    ({"max_new_tokens": 0}, ValueError, r"requests\[1\]\.max_new_tokens: expected >= 1"),
+    ({"max_new_tokens": -2}, ValueError, r"requests\[1\]\.max_new_tokens: expected >= 1"),
+    ({"max_new_tokens": 2.0}, TypeError, r"requests\[1\]\.max_new_tokens: expected an int"),
+    ({"sampling": Sampling(temperature=-1.0)}, ValueError, r"sampling\.temperature"),
+    ({"sampling": Sampling(temperature=float("nan"))}, ValueError, r"sampling\.temperature"),
+    ({"sampling": Sampling(top_k=-1)}, ValueError, r"sampling\.top_k"),
+    ({"sampling": Sampling(top_p=0.0)}, ValueError, r"sampling\.top_p"),
+    ({"spec": Speculation("ngram", -1)}, ValueError, r"speculation\.num_draft_tokens"),
+    ({"spec": Speculation("ngram", 0)}, ValueError, r"speculation\.num_draft_tokens"),
+    ({"spec": Speculation("ngram", 2, method="bogus")}, ValueError, r"speculation\.method"),
+    ({"spec": Speculation("ngram", 2, children="bogus")}, ValueError, r"speculation\.children"),
+    ({"spec": Speculation("bogus", 2)}, ValueError, r"drafter: expected"),
+])
+def test_bad_runs_raise_naming_the_field_before_any_forward(models, requests, monkeypatch,
+                                                            change, error, name):
+    """Each bad argument is an error naming it, raised before the prefill (a forward) runs."""
+    import dataclasses
+    model, _, _ = models
+    vocab = model.get_input_embeddings().num_embeddings
+    batch = list(requests)
+    if "prompt" in change or "max_new_tokens" in change:
+        fields = {k: v for k, v in change.items() if k in ("prompt", "max_new_tokens")}
+        if fields.get("prompt") == "vocab":
+            fields["prompt"] = [1, vocab]
+        batch[1] = dataclasses.replace(batch[1], **fields)
+    batch = change.get("requests", batch)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward ran before the arguments were checked")
+    monkeypatch.setattr(E, "prefill", no_forward)
+    with pytest.raises(error, match=name):
+        generate(model, batch, change.get("sampling", Sampling()),
+                 change.get("spec", Speculation("ngram", 2)))
+
+
 def test_verify_methods_include_token():
     assert "token" in verify_methods("chain")
     assert "token" in verify_methods("tree")

@@ -62,6 +62,71 @@ class Speculation:
         return self.drafter == "ngram" and self.trie_nodes > 0
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_run(requests: Sequence[Request], sampling: Sampling, spec: Speculation,
+              vocab_size: int) -> None:
+    """Every argument of a run checked before anything runs: a ValueError or TypeError naming
+    the field (``requests[i].prompt``, ``sampling.top_p``, ``speculation.num_draft_tokens``),
+    what was expected and what was given."""
+    if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
+        raise TypeError(f"requests: expected a sequence of Request, got {type(requests).__name__}")
+    if len(requests) == 0:
+        raise ValueError("requests: expected at least one Request, got an empty sequence")
+    for i, r in enumerate(requests):
+        if not isinstance(r, Request):
+            raise TypeError(f"requests[{i}]: expected a Request, got {type(r).__name__}")
+        prompt = r.prompt
+        if not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
+            raise TypeError(f"requests[{i}].prompt: expected a list of int token ids, got "
+                            f"{type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise ValueError(f"requests[{i}].prompt: expected at least one token, got an "
+                             f"empty prompt")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"requests[{i}].prompt: token ids must be in [0, {vocab_size}) "
+                             f"(the model's vocabulary), got {bad[0]}")
+        if not _is_int(r.max_new_tokens):
+            raise TypeError(f"requests[{i}].max_new_tokens: expected an int, got "
+                            f"{type(r.max_new_tokens).__name__}")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"requests[{i}].max_new_tokens: expected >= 1, got "
+                             f"{r.max_new_tokens}")
+        if not _is_int(r.seed):
+            raise TypeError(f"requests[{i}].seed: expected an int, got {type(r.seed).__name__}")
+    t, k, p = sampling.temperature, sampling.top_k, sampling.top_p
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 or t == float("inf"):
+        raise ValueError(f"sampling.temperature: expected a finite float >= 0, got {t!r}")
+    if not _is_int(k) or k < 0:
+        raise ValueError(f"sampling.top_k: expected an int >= 0 (0 disables), got {k!r}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise ValueError(f"sampling.top_p: expected a float in (0, 1], got {p!r}")
+    if spec.drafter not in ("none", "ngram", "model"):
+        raise ValueError(f"drafter: expected 'none', 'ngram' or 'model', got {spec.drafter!r}")
+    n, least = spec.num_draft_tokens, 0 if spec.tree or spec.drafter == "none" else 1
+    if n != "adaptive" and (not _is_int(n) or n < least):  # a tree's shape is its own
+        raise ValueError(f"speculation.num_draft_tokens: expected an int >= {least} or "
+                         f"'adaptive', got {n!r}")
+    if not _is_int(spec.max_draft_tokens) or spec.max_draft_tokens < 1:
+        raise ValueError(f"speculation.max_draft_tokens: expected an int >= 1, got "
+                         f"{spec.max_draft_tokens!r}")
+    if not _is_int(spec.ngram_max) or spec.ngram_max < 1:
+        raise ValueError(f"speculation.ngram_max: expected an int >= 1, got {spec.ngram_max!r}")
+    if not _is_int(spec.trie_nodes) or spec.trie_nodes < 0:
+        raise ValueError(f"speculation.trie_nodes: expected an int >= 0 (0: a chain), got "
+                         f"{spec.trie_nodes!r}")
+    if spec.tree is not None and (not isinstance(spec.tree, tuple) or not spec.tree
+                                  or not all(_is_int(w) and w >= 1 for w in spec.tree)):
+        raise ValueError(f"speculation.tree: expected a non-empty tuple of ints >= 1 "
+                         f"(children per depth), got {spec.tree!r}")
+    if spec.children not in ("top_k", "iid", "without_replacement"):
+        raise ValueError(f"speculation.children: expected 'top_k', 'iid' or "
+                         f"'without_replacement', got {spec.children!r}")
+
+
 # Where a run's wall time goes (Stats.profile, seconds). "forward": the target's verify /
 # decode forward without the two below; "masks": its attention masks and position ids;
 # "cache_writes": the new K/V scattered into the SlotCache; "verify_op": sk.verify_chain_packed

@@ -26,11 +26,12 @@ import torch
 import specdec_kernels as sk
 
 from .adaptive import AdaptiveLength, match_context
-from .config import PhaseClock, Request, Result, Sampling, Speculation, Stats, tree_size
+from .config import (PhaseClock, Request, Result, Sampling, Speculation, Stats, check_run,
+                     tree_size)
 from .drafters import ModelDrafter, NgramDrafter, NgramTrieDrafter
 from .model import SlotCache, chain_visibility, forward_block, prefill
 from .plans import DraftPlan
-from .verify import unpack_rows, verify_step
+from .verify import methods_for, unpack_rows, verify_step
 
 
 def generate(target, requests: Sequence[Request], sampling: Sampling = Sampling(),
@@ -56,14 +57,16 @@ def _generate(target, requests, sampling, speculation, draft_model, eos_token_id
               planted_bug, policy) -> Result:
     device = next(target.parameters()).device
     spec = speculation
-    if spec.drafter not in ("none", "ngram", "model"):
-        raise ValueError(f"drafter: expected 'none', 'ngram' or 'model', got {spec.drafter!r}")
+    check_run(requests, sampling, spec, target.get_input_embeddings().num_embeddings)
     if spec.adaptive and (spec.tree or spec.trie):
         raise ValueError(f"num_draft_tokens: 'adaptive' is for chains; got a tree "
                          f"(tree={spec.tree}, trie_nodes={spec.trie_nodes})")
     if spec.trie_nodes and (spec.drafter != "ngram" or spec.tree):
         raise ValueError(f"trie_nodes: an n-gram trie needs drafter='ngram' and no tree, got "
                          f"drafter={spec.drafter!r}, tree={spec.tree}")
+    if spec.drafter != "none" and spec.method not in methods_for(spec):
+        raise ValueError(f"speculation.method: expected one of {methods_for(spec)} for this "
+                         f"speculation, got {spec.method!r}")
     batch = len(requests)
     max_nodes = _max_nodes(spec)
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + max_nodes + 2
