@@ -26,6 +26,8 @@ import torch
 import specdec_kernels as sk
 from conftest import CHAIN_BACKENDS
 from specdec_kernels.adapters import vllm
+from specdec_kernels.adapters.vllm import _history as vllm_history
+from specdec_kernels.adapters.vllm import v1_0_33 as vllm_v1
 from test_chain_exactness import ALPHA, _chi_square
 from test_dropin import bitmask_of, oracle_probs
 
@@ -302,7 +304,7 @@ def test_vllm_law_catches_min_p_ignored_on_draft_rows(monkeypatch):
     def min_p_on_bonus_rows_only(*args, min_p=None, **kwargs):
         with_drafts = (args[2][1:] - args[2][:-1]) > 0
         return real(*args, min_p=torch.where(with_drafts, 0.0, min_p), **kwargs)
-    monkeypatch.setattr(vllm, "verify_chain_packed", min_p_on_bonus_rows_only)
+    monkeypatch.setattr(vllm_v1, "verify_chain_packed", min_p_on_bonus_rows_only)
     tokens, law = _vllm_law_round(LAW_BATCH, 0.15, torch.Generator().manual_seed(7))
     assert _law_pvalue(tokens, law) < ALPHA, "the chi-square test missed min_p being ignored"
 
@@ -637,7 +639,7 @@ def test_vllm_default_path_makes_no_host_synchronisation(monkeypatch):
         seed()  # the deferred draw
         zeros = torch.zeros(cu.shape[0] - 1, max_draft_tokens + 1, dtype=torch.int32)
         return sk.chain.ChainVerifyOutput(zeros, zeros[:, 0].clone())
-    monkeypatch.setattr(vllm, "verify_chain_packed", stub)
+    monkeypatch.setattr(vllm_v1, "verify_chain_packed", stub)
     sampler = vllm.RejectionSampler(FakeSampler(), fused_bonus=False)
 
     def forbidden(*args, **kwargs):
@@ -697,7 +699,7 @@ def test_vllm_law_with_draft_aware_history():
 def test_vllm_law_catches_history_without_drafts(monkeypatch):
     """Planted bug: the penalties and bad words of draft row 2 ignore draft 1 (the history
     vLLM's sampler gives its bonus row without spec tokens)."""
-    monkeypatch.setattr(vllm, "row_history",
+    monkeypatch.setattr(vllm_history, "row_history",
                         lambda output, spec, b, j: list(output[b]) if b < len(output) else [])
     tokens, law = _history_law_round(LAW_BATCH, torch.Generator().manual_seed(21))
     assert _law_pvalue(tokens, law) < ALPHA, "the chi-square test missed the history bug"
@@ -788,7 +790,7 @@ def test_vllm_minus_one_draft_with_probs_follows_the_residual():
 
 
 def test_vllm_law_catches_minus_one_sampled_from_p(monkeypatch):
-    monkeypatch.setattr(vllm, "_stand_ins_for_invalid_drafts",
+    monkeypatch.setattr(vllm_v1, "stand_ins_for_invalid_drafts",
                         lambda step, rows, draft_probs, sm: step.draft_token_ids)
     tokens, law = _invalid_draft_law_round(LAW_BATCH, torch.Generator().manual_seed(31))
     assert _law_pvalue(tokens, law) < ALPHA, "the chi-square test missed -1 sampled from p"

@@ -1,0 +1,369 @@
+"""Parsing vLLM's V1 step (host only: Python values and tensor shapes): the layout of
+``logits`` and the metadata, the sampling parameters, which features a batch uses, the
+per-request seeds. Every check that needs no device read runs here, before anything is
+written or drawn."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import numbers
+from typing import NamedTuple, Optional
+
+import torch
+
+from ... import _params
+from .._common import seeds_from_generator
+from ._types import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID, SAMPLING_EPS
+
+
+
+class Step(NamedTuple):
+    batch: int
+    num_draft_tokens: list
+    max_spec_len: int
+    num_packed: int                  # T
+    draft_token_ids: torch.Tensor
+    cu_exclusive: torch.Tensor       # [B+1] on the device, from the host list
+    num_drafts_device: torch.Tensor  # [B] int64
+    in_place: bool                   # logits is vLLM's [T+B, V] runner layout
+    has_bonus_rows: bool
+    vocab: int
+    row_request: list                # per packed row
+    row_position: list
+    slot_rows_device: Optional[torch.Tensor]
+    bonus_slots: list
+    bonus_slot_requests: list
+    max_num_logprobs: Optional[int]
+    has_processors: bool
+
+
+def parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask) -> Step:
+    """Every check the step needs, on Python values and shapes only (no device read)."""
+    if metadata is None or not all(hasattr(metadata, name) for name in (
+            "draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens",
+            "target_logits_indices", "bonus_logits_indices")):
+        raise TypeError(f"metadata: expected vLLM's SpecDecodeMetadata (draft_token_ids, "
+                        f"num_draft_tokens, cu_num_draft_tokens, target_logits_indices, "
+                        f"bonus_logits_indices), got {type(metadata).__name__}")
+    if sampling_metadata is None or not hasattr(sampling_metadata, "all_greedy"):
+        raise TypeError(f"sampling_metadata: expected vLLM's SamplingMetadata, "
+                        f"got {type(sampling_metadata).__name__}")
+    _params.check_tensor(logits, "logits", ndim=2, dtypes=_params.LOGIT_DTYPES)
+    device = logits.device
+    vocab = logits.shape[1]
+    num_draft_tokens = host_counts(metadata.num_draft_tokens, "num_draft_tokens")
+    batch = len(num_draft_tokens)
+    num_packed = sum(num_draft_tokens)
+    max_spec_len = max(num_draft_tokens, default=0)
+    declared = getattr(metadata, "max_spec_len", max_spec_len)
+    if isinstance(declared, bool) or not isinstance(declared, numbers.Integral) \
+            or int(declared) != max_spec_len:
+        raise ValueError(f"max_spec_len: expected max(num_draft_tokens) = {max_spec_len}, "
+                         f"got {declared!r}")
+    if max_spec_len > MAX_SPEC_LEN:
+        raise ValueError(f"num_draft_tokens: expected at most MAX_SPEC_LEN = {MAX_SPEC_LEN} "
+                         f"drafts per request, got {max_spec_len}")
+    draft_token_ids = metadata.draft_token_ids
+    _params.check_tensor(draft_token_ids, "draft_token_ids", ndim=1,
+                         dtypes=_params.INDEX_DTYPES, device=device)
+    if draft_token_ids.shape[0] != num_packed:
+        raise ValueError(f"draft_token_ids: expected sum(num_draft_tokens) = {num_packed} "
+                         f"ids, got {draft_token_ids.shape[0]}")
+    cu = metadata.cu_num_draft_tokens
+    _params.check_tensor(cu, "cu_num_draft_tokens", ndim=1, dtypes=_params.INDEX_DTYPES)
+    if cu.shape[0] != batch:
+        raise ValueError(f"cu_num_draft_tokens: expected {batch} entries (one per request, "
+                         f"as num_draft_tokens), got {cu.shape[0]}")
+    target_indices, bonus_indices = metadata.target_logits_indices, metadata.bonus_logits_indices
+    for name, index, sizes in (("target_logits_indices", target_indices, (num_packed,)),
+                               ("bonus_logits_indices", bonus_indices, (batch, 0))):
+        _params.check_tensor(index, name, ndim=1, dtypes=_params.INDEX_DTYPES)
+        if index.shape[0] not in sizes:
+            raise ValueError(f"{name}: expected {' or '.join(map(str, sizes))} entries, "
+                             f"got {index.shape[0]}")
+    has_bonus_rows = bonus_indices.shape[0] == batch
+    in_place = has_bonus_rows and logits.shape[0] == num_packed + batch
+    if draft_probs is not None:
+        _params.check_tensor(draft_probs, "draft_probs", ndim=2,
+                             dtypes=_params.LOGIT_DTYPES + (torch.float64,), device=device)
+        if list(draft_probs.shape) != [num_packed, vocab]:
+            raise ValueError(f"draft_probs: expected shape [T, V] = [{num_packed}, {vocab}], "
+                             f"got {list(draft_probs.shape)}")
+    if token_bitmask is not None:
+        _params.check_token_bitmask(token_bitmask, [logits.shape[0]], vocab, device,
+                                    "[rows of logits, ceil(V/32)]")
+    check_sampling(sampling_metadata, batch, vocab, device)
+    max_num_logprobs = getattr(sampling_metadata, "max_num_logprobs", None)
+    if max_num_logprobs is not None and (isinstance(max_num_logprobs, bool) or not isinstance(
+            max_num_logprobs, numbers.Integral) or not 0 <= max_num_logprobs <= vocab):
+        raise ValueError(f"max_num_logprobs: expected None or an int in [0, {vocab}], "
+                         f"got {max_num_logprobs!r}")
+
+    row_request, row_position = [], []
+    for b, n in enumerate(num_draft_tokens):
+        row_request += [b] * (n + 1)
+        row_position += list(range(n + 1))
+    starts = [0]
+    for n in num_draft_tokens:
+        starts.append(starts[-1] + n)
+    cu_exclusive = to_device(starts, device)
+    num_drafts_device = to_device(num_draft_tokens, device)
+    slot_rows_device, bonus_slots, bonus_slot_requests = None, [], []
+    if max_num_logprobs is not None:
+        slot_rows = []
+        for b, n in enumerate(num_draft_tokens):
+            for j in range(max_spec_len + 1):
+                slot_rows.append(starts[b] + b + min(j, n))
+                if j == n:
+                    bonus_slots.append(b * (max_spec_len + 1) + j)
+                    bonus_slot_requests.append(b)
+        slot_rows_device = to_device(slot_rows, device)
+    return Step(batch, num_draft_tokens, max_spec_len, num_packed, draft_token_ids,
+                cu_exclusive, num_drafts_device, in_place, has_bonus_rows, vocab,
+                row_request, row_position, slot_rows_device, bonus_slots,
+                bonus_slot_requests, max_num_logprobs, has_processors(sampling_metadata))
+
+
+def check_values(step: Step, metadata, logits, sm, offset) -> None:
+    """``validate=True``: the device values too (a synchronisation): draft ids in ``[-1, V)``,
+    vLLM's runner layout (or in-range indices), the sampling parameters' ranges."""
+    device = logits.device
+    ids = step.draft_token_ids.to(torch.int64)
+    bad = (ids < PLACEHOLDER_TOKEN_ID) | (ids >= step.vocab)
+    if bool(bad.any()):
+        t = _params.first_true(bad)
+        raise ValueError(f"draft_token_ids: expected ids in [0, {step.vocab}) or -1 (a "
+                         f"rejected draft), got {int(ids[t])} at [{t}]")
+    rows = logits.shape[0]
+    starts = step.cu_exclusive.tolist()
+    cu = metadata.cu_num_draft_tokens.to(torch.int64).tolist()
+    if cu != starts[1:]:
+        raise ValueError(f"cu_num_draft_tokens: expected the inclusive sums of "
+                         f"num_draft_tokens {starts[1:]}, got {cu}")
+    for name in ("target_logits_indices", "bonus_logits_indices"):
+        index = getattr(metadata, name).to(torch.int64)
+        if step.in_place:
+            want = [r for r, (b, j) in enumerate(zip(step.row_request, step.row_position))
+                    if (j < step.num_draft_tokens[b]) == (name == "target_logits_indices")]
+            if index.tolist() != want:
+                raise ValueError(f"{name}: expected vLLM's layout for num_draft_tokens "
+                                 f"{step.num_draft_tokens} (each request's draft rows, then "
+                                 f"its bonus row), {want}, got {index.tolist()}")
+        elif index.numel() and bool(((index < 0) | (index >= rows)).any()):
+            raise ValueError(f"{name}, cu_num_draft_tokens: expected row indices in "
+                             f"[0, {rows}) (logits has {rows} rows), got {index.tolist()}")
+    params = step_params(sm, step.batch)
+    _params.sampling_params(params["temperature"], params["top_k"], params["top_p"],
+                            batch=step.batch, vocab_size=step.vocab, device=device,
+                            validate=True, min_p=params["min_p"])
+    _params.per_request(_params._as_int64(offset, "offset"), "offset", step.batch, device,
+                        torch.int64, 0)
+
+
+def host_counts(values, name: str) -> list:
+    """A host list of non-negative Python ints (vLLM's ``num_draft_tokens``)."""
+    if isinstance(values, torch.Tensor) or not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name}: expected a list of Python ints (one per request), "
+                        f"got {type(values).__name__}")
+    counts = []
+    for b, n in enumerate(values):
+        if type(n) is int and n >= 0:  # the common case, cheaply
+            counts.append(n)
+            continue
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{name}: expected Python ints, got {n!r} "
+                            f"({type(n).__name__}) for request {b}")
+        if n < 0:
+            raise ValueError(f"{name}: expected counts >= 0, got {n} for request {b}")
+        counts.append(int(n))
+    return counts
+
+
+def check_sampling(sm, batch: int, vocab: int, device) -> None:
+    temperature = getattr(sm, "temperature", None)
+    if temperature is None:
+        if not getattr(sm, "all_greedy", False):
+            raise ValueError("temperature: expected a [B] tensor unless all_greedy, got None")
+    else:
+        check_per_request(temperature, "temperature", batch, device)
+    for name in ("top_k", "top_p", "min_p"):
+        value = getattr(sm, name, None)
+        if value is not None:
+            check_per_request(value, name, batch, device)
+    generators = getattr(sm, "generators", None) or {}
+    if not isinstance(generators, dict):
+        raise TypeError(f"generators: expected a dict batch index -> torch.Generator, "
+                        f"got {type(generators).__name__}")
+    for index, generator in generators.items():
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) \
+                or not 0 <= index < batch:
+            raise ValueError(f"generators: expected batch indices in [0, {batch}), "
+                             f"got {index!r}")
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generators: expected torch.Generator values, got "
+                            f"{type(generator).__name__} at batch index {index}")
+    penalised = not getattr(sm, "no_penalties", True)
+    bad_words = getattr(sm, "bad_words_token_ids", None) or {}
+    if penalised or bad_words:
+        spec = getattr(sm, "spec_token_ids", None)
+        output = getattr(sm, "output_token_ids", None)
+        for name, lists in (("spec_token_ids", spec), ("output_token_ids", output)):
+            if lists is None or isinstance(lists, torch.Tensor) or len(lists) < batch:
+                raise ValueError(f"{name}: expected one host list per request ({batch}) for "
+                                 f"penalties and bad words, got {type(lists).__name__}"
+                                 + ("" if lists is None else f" of length {len(lists)}"))
+    if penalised:
+        if getattr(sm, "prompt_token_ids", None) is None:
+            raise ValueError("prompt_token_ids: expected a [B, P] tensor with penalties, "
+                             "got None")
+        for name in ("frequency_penalties", "presence_penalties", "repetition_penalties"):
+            check_per_request(getattr(sm, name, None), name, batch, device)
+    mask = getattr(sm, "allowed_token_ids_mask", None)
+    if mask is not None:
+        _params.check_tensor(mask, "allowed_token_ids_mask", ndim=2, dtypes=(torch.bool,),
+                             device=device)
+        if mask.shape[0] < batch or mask.shape[1] != vocab:
+            raise ValueError(f"allowed_token_ids_mask: expected shape [>= {batch}, {vocab}], "
+                             f"got {list(mask.shape)}")
+
+
+def check_per_request(value, name: str, batch: int, device) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a [B] tensor, got {type(value).__name__}")
+    if value.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {value.device}")
+    if value.reshape(-1).shape[0] < batch:
+        raise ValueError(f"{name}: expected {batch} entries (one per request), "
+                         f"got shape {list(value.shape)}")
+
+
+def to_device(values: list, device, dtype=torch.int64) -> torch.Tensor:
+    """A host list on ``device`` without waiting (pinned staging where CUDA is involved)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def replace(sampling_metadata, **changes):
+    if dataclasses.is_dataclass(sampling_metadata):
+        return dataclasses.replace(sampling_metadata, **changes)
+    clone = copy.copy(sampling_metadata)
+    for name, value in changes.items():
+        setattr(clone, name, value)
+    return clone
+
+
+# --------------------------------------------------------------------------------------------
+# What a batch uses
+
+def processors(sm, kind: str) -> list:
+    return list(getattr(getattr(sm, "logitsprocs", None), kind, None) or ())
+
+
+def is_min_tokens(p) -> bool:
+    return hasattr(p, "min_toks") and hasattr(p, "apply_with_spec_decode")
+
+
+def is_logit_bias(p) -> bool:
+    return isinstance(getattr(p, "biases", None), dict)
+
+
+def is_min_p(p) -> bool:
+    return hasattr(p, "min_p_count") and hasattr(p, "min_p")
+
+
+def thinking_budget(sm):
+    holder = getattr(sm, "thinking_budget_state_holder", None)
+    return holder if holder is not None and holder.has_tracked_requests() else None
+
+
+def has_processors(sm) -> bool:
+    return bool(not getattr(sm, "no_penalties", True)
+                or getattr(sm, "allowed_token_ids_mask", None) is not None
+                or getattr(sm, "bad_words_token_ids", None)
+                or any(is_min_tokens(p) and p.min_toks or is_logit_bias(p) and p.biases
+                       for p in processors(sm, "non_argmax_invariant"))
+                or thinking_budget(sm) is not None)
+
+
+def fusable(sm) -> bool:
+    """Whether every feature this batch uses for its bonus token is one we fuse."""
+    if getattr(sm, "logprob_token_ids", None) or thinking_budget(sm) is not None:
+        return False
+    if not all(is_min_tokens(p) or is_logit_bias(p)
+               for p in processors(sm, "non_argmax_invariant")):
+        return False
+    return all(is_min_p(p) for p in processors(sm, "argmax_invariant"))
+
+
+def packed_rows(step: Step, metadata, logits, token_bitmask):
+    """``logits`` itself in vLLM's runner layout; otherwise its rows gathered into it."""
+    if step.in_place:
+        return logits, token_bitmask
+    device = logits.device
+    target_rows = [r for r, j in enumerate(step.row_position)
+                   if j < step.num_draft_tokens[step.row_request[r]]]
+    bonus_rows = [r for r, j in enumerate(step.row_position)
+                  if j == step.num_draft_tokens[step.row_request[r]]]
+    target_rows, bonus_rows = to_device(target_rows, device), to_device(bonus_rows, device)
+    sources = [(target_rows, metadata.target_logits_indices.to(device, torch.int64))]
+    if step.has_bonus_rows:
+        sources.append((bonus_rows, metadata.bonus_logits_indices.to(device, torch.int64)))
+
+    def gather(x):
+        packed = x.new_zeros((step.num_packed + step.batch,) + tuple(x.shape[1:]))
+        if x is token_bitmask:
+            packed.fill_(-1)  # rows without a source allow every token
+        for rows, source in sources:
+            packed.index_copy_(0, rows, x[source])
+        return packed
+    return gather(logits), None if token_bitmask is None else gather(token_bitmask)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters and seeds
+
+def step_params(sm, batch: int) -> dict:
+    temperature = getattr(sm, "temperature", None)
+    if getattr(sm, "all_greedy", False) or temperature is None:
+        temperature = 0.0
+    else:  # vLLM's greedy rows: temperature 0 (or below its epsilon)
+        temperature = temperature.reshape(-1)[:batch]
+        temperature = torch.where(temperature < SAMPLING_EPS,
+                                  torch.zeros_like(temperature), temperature)
+
+    def first(name):
+        value = getattr(sm, name, None)
+        return None if value is None else value.reshape(-1)[:batch]
+    return dict(temperature=temperature, top_k=first("top_k"), top_p=first("top_p"),
+                min_p=min_p_of(sm, batch))
+
+
+def min_p_of(sm, batch: int) -> Optional[torch.Tensor]:
+    """``min_p`` from the field (ours) or vLLM's ``MinPLogitsProcessor``."""
+    min_p = getattr(sm, "min_p", None)
+    if min_p is not None:
+        return min_p.reshape(-1)[:batch]
+    for processor in processors(sm, "argmax_invariant"):
+        if is_min_p(processor):
+            # Its [B, 1] slice is current only while some request uses min_p.
+            return processor.min_p.reshape(-1)[:batch] if processor.min_p_count else None
+    return None
+
+
+def request_seeds(sm, seed, batch: int, device):
+    """``seed`` if given; else one seed per request, from its own generator where vLLM has
+    one (seeded requests) and from the device's default generator otherwise -- drawn by the
+    op once it has checked its arguments (``DeferredSeeds``): a rejected call advances no
+    generator, and nothing is read back to the host."""
+    if seed is not None:
+        return seed
+    generators = getattr(sm, "generators", None) or {}
+
+    def draw() -> torch.Tensor:
+        seeds = torch.randint(-2**63, 2**63 - 1, (batch,), dtype=torch.int64, device=device)
+        for index, generator in generators.items():
+            seeds[index:index + 1] = seeds_from_generator(generator, 1, device)
+        return seeds
+    return _params.DeferredSeeds(draw)

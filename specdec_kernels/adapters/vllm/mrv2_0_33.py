@@ -1,0 +1,195 @@
+"""vLLM 0.33.0's MRV2 runner verification (``vllm/v1/worker/gpu/spec_decode/``), exact.
+
+* :func:`rejection_sample` has the signature and outputs of vLLM's
+  ``rejection_sampler_utils.rejection_sample``: ``target_logits [num_logits, V]`` (processed by
+  MRV2's sampler: penalties, temperature, min-p, top-k/top-p as ``-inf``), request ``i``'s rows
+  ``cu_num_logits[i] .. cu_num_logits[i+1]-1`` (its ``n_i`` draft rows, then its bonus row),
+  the draft of row ``r`` at ``draft_sampled[r + 1]`` (``-1``: a rejected draft),
+  ``draft_logits [max_num_reqs, K, V]`` (pre-temperature, read at ``idx_mapping[i]``) or None
+  (one-hot drafts), ``temperature`` / ``seed`` ``[max_num_reqs]`` (0 = greedy). Returns
+  ``(sampled [num_reqs, K+1] int64, num_sampled [num_reqs] int32)``: the accepted drafts, the
+  correction or bonus token, then ``-1`` (vLLM leaves those slots unwritten).
+  The law: the target's ``softmax(target_logits)``, the drafter's
+  ``softmax(draft_logits / temperature)`` (MRV2's drafter samples with temperature only).
+  ``use_block_verification=True`` is our block verification.
+* :class:`RejectionSampler` is MRV2's class (``RejectionSampler(sampler, spec_config, device,
+  *, watermark_key=None)``, ``__call__(logits, input_batch, draft_logits=None,
+  invalid_drafts=None) -> SamplerOutput``): vLLM's own class with its verification step
+  (``_verify``) calling :func:`rejection_sample`; everything else (MRV2's sampler features,
+  chunking, logprobs, watermark contexts) is vLLM's code, so it needs vLLM.
+  Swap (before the MRV2 runner imports it)::
+
+      import vllm.v1.worker.gpu.spec_decode.rejection_sampler as mrv2
+      from specdec_kernels.adapters.vllm import mrv2_0_33 as sk_mrv2
+      mrv2.RejectionSampler = sk_mrv2.RejectionSampler
+
+Lossy or vLLM-specific modes (``synthetic_conditional_rates``, FLy's ``fly_window_size > 0``,
+watermarking ``contexts``) call vLLM's own ``rejection_sample`` when vLLM is importable, else
+raise NotImplementedError naming the argument.
+
+Differences from vLLM 0.33.0: randomness is our Philox stream keyed by ``seed[idx_mapping[i]]``
+and the request's first position ``pos[cu_num_logits[i]]`` (a new offset every step), not
+vLLM's; the same law. Everything is read in place: the target rows as packed, the draft rows
+through ``idx_mapping`` (``verify_chain_packed(draft_slots=idx_mapping,
+draft_temperature=temperature[idx_mapping])``: no gathered copy, the temperature applied in
+the kernels). No host synchronisation: every index is computed on the device; only ``[B]``
+and ``[T]`` index tensors are built.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ... import _params
+from ...chain import verify_chain_packed
+from . import _delegate
+
+__all__ = ["rejection_sample", "RejectionSampler"]
+
+
+def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.Tensor],
+                     draft_sampled: torch.Tensor, cu_num_logits: torch.Tensor,
+                     pos: torch.Tensor, idx_mapping: torch.Tensor,
+                     expanded_idx_mapping: torch.Tensor, expanded_local_pos: torch.Tensor,
+                     temperature: torch.Tensor, seed: torch.Tensor,
+                     num_speculative_steps: int,
+                     synthetic_conditional_rates: Optional[torch.Tensor] = None,
+                     use_fp64: bool = False, use_block_verification: bool = False,
+                     contexts: Optional[torch.Tensor] = None,
+                     watermarking: Optional[torch.Tensor] = None,
+                     watermarking_skip_mask: Optional[torch.Tensor] = None,
+                     watermark_key: Optional[int] = None, fly_window_size: int = 0,
+                     fly_entropy_threshold: float = 0.3, fly_entropy_top_k: int = 3,
+                     *, backend: str = "auto"):
+    """MRV2's ``rejection_sample`` by our exact kernels (module docstring)."""
+    vllm_only = [name for name, used in (
+        ("synthetic_conditional_rates", synthetic_conditional_rates is not None),
+        ("fly_window_size", bool(fly_window_size)),
+        ("contexts", contexts is not None or watermarking is not None
+         or watermark_key is not None)) if used]
+    if vllm_only:
+        try:
+            from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import \
+                rejection_sample as vllm_rejection_sample
+        except ImportError:
+            raise NotImplementedError(
+                f"{vllm_only[0]}: a lossy or vLLM-specific mode of vLLM's MRV2 rejection "
+                f"sampler; install vLLM to delegate to it") from None
+        return vllm_rejection_sample(
+            target_logits, draft_logits, draft_sampled, cu_num_logits, pos, idx_mapping,
+            expanded_idx_mapping, expanded_local_pos, temperature, seed,
+            num_speculative_steps, synthetic_conditional_rates, use_fp64,
+            use_block_verification, contexts, watermarking, watermarking_skip_mask,
+            watermark_key, fly_window_size, fly_entropy_threshold, fly_entropy_top_k)
+
+    _params.check_tensor(target_logits, "target_logits", ndim=2, dtypes=_params.LOGIT_DTYPES)
+    device = target_logits.device
+    num_logits, vocab = target_logits.shape
+    for name, tensor in (("draft_sampled", draft_sampled), ("cu_num_logits", cu_num_logits),
+                         ("pos", pos), ("idx_mapping", idx_mapping), ("seed", seed)):
+        _params.check_tensor(tensor, name, ndim=1, dtypes=_params.INDEX_DTYPES, device=device)
+    _params.check_tensor(temperature, "temperature", ndim=1, device=device)
+    if isinstance(num_speculative_steps, bool) or not isinstance(num_speculative_steps, int) \
+            or num_speculative_steps < 0:
+        raise TypeError(f"num_speculative_steps: expected a Python int >= 0, "
+                        f"got {num_speculative_steps!r}")
+    num_reqs = cu_num_logits.shape[0] - 1
+    if num_reqs < 0 or idx_mapping.shape[0] != num_reqs:
+        raise ValueError(f"idx_mapping, cu_num_logits: expected num_reqs + 1 = "
+                         f"{idx_mapping.shape[0] + 1} offsets, got {cu_num_logits.shape[0]}")
+    for name, tensor in (("draft_sampled", draft_sampled), ("pos", pos)):
+        if tensor.shape[0] != num_logits:
+            raise ValueError(f"{name}: expected {num_logits} entries (one per logits row), "
+                             f"got {tensor.shape[0]}")
+    if draft_logits is not None:
+        _params.check_tensor(draft_logits, "draft_logits", ndim=3, dtypes=_params.LOGIT_DTYPES,
+                             device=device)
+        if draft_logits.shape[1] < num_speculative_steps or draft_logits.shape[2] < vocab:
+            raise ValueError(f"draft_logits: expected [max_num_reqs, >= {num_speculative_steps}"
+                             f", >= {vocab}], got {list(draft_logits.shape)}")
+    num_packed = num_logits - num_reqs  # T: every request has one bonus row
+
+    cu = cu_num_logits.to(torch.int64)
+    requests = torch.arange(num_reqs, device=device)
+    cu_drafts = cu - torch.cat([requests, requests.new_full((1,), num_reqs)])  # exclusive [B+1]
+    packed = torch.arange(num_packed, device=device)
+    request_of = torch.searchsorted(cu_drafts[1:], packed, right=True).clamp(max=max(num_reqs - 1, 0))
+    draft_rows = (packed + request_of + 1).clamp(max=max(num_logits - 1, 0))
+    draft_ids = draft_sampled.to(torch.int64)[draft_rows] if num_packed else \
+        draft_sampled.new_zeros(0, dtype=torch.int64)
+
+    slots = idx_mapping.to(torch.int64)
+    temp = temperature.to(torch.float32)[slots]
+    greedy = temp == 0
+    # The drafter's rows in place: request i's draft j is draft_logits[idx_mapping[i], j, :V],
+    # at temperature[idx_mapping[i]] (greedy requests ignore q).
+    draft_args = {} if draft_logits is None else dict(
+        draft_logits=draft_logits, draft_slots=idx_mapping, draft_temperature=temp)
+    first_pos = pos.to(torch.int64)[cu[:num_reqs].clamp(max=max(num_logits - 1, 0))] \
+        if num_logits else pos.new_zeros(num_reqs, dtype=torch.int64)
+    out = verify_chain_packed(
+        target_logits, draft_ids, cu_drafts, max_draft_tokens=num_speculative_steps,
+        **draft_args, temperature=torch.where(greedy, 0.0, 1.0),
+        seed=seed.to(torch.int64)[slots], offset=first_pos,
+        method="block" if use_block_verification else "token", backend=backend,
+        validate=False)
+    return out.output_token_ids.to(torch.int64), out.num_accepted + 1
+
+
+_VLLM_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+_vllm_class_kept: list = []  # a strong reference: after the swap nothing else holds it
+
+
+def _vllm_mrv2_class():
+    """vLLM's own MRV2 ``RejectionSampler`` (found after the swap too; ImportError without
+    vLLM)."""
+    return _delegate.own_class(_VLLM_MODULE, _vllm_class_kept, object)
+
+
+class RejectionSampler:
+    """MRV2's ``RejectionSampler`` with our verification (module docstring). Builds vLLM's
+    class with ``_verify`` calling :func:`rejection_sample`; needs vLLM (the rest of the step
+    is vLLM's code)."""
+
+    def __new__(cls, sampler, spec_config, device, *, watermark_key=None):
+        try:
+            base = _vllm_mrv2_class()
+        except ImportError as error:
+            raise NotImplementedError(
+                f"sampler: MRV2's RejectionSampler runs vLLM's own sampler code; install "
+                f"vLLM ({error}); without it call vllm.mrv2_0_33.rejection_sample") from None
+        return _adapted(base)(sampler, spec_config, device, watermark_key=watermark_key)
+
+
+_ADAPTED: dict = {}
+
+
+def _adapted(base: type) -> type:
+    if base not in _ADAPTED:
+        def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping,
+                    idx_mapping_np, expanded_idx_mapping, expanded_local_pos,
+                    seq_lens_upper_bound_np, verify_draft_sampled):
+            processed_logits = self.sampler.apply_sampling_params(
+                logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, draft_sampled,
+                expanded_local_pos, seq_lens_upper_bound_np)
+            sampled, num_sampled = rejection_sample(
+                processed_logits, draft_logits, verify_draft_sampled, cu_num_logits, pos,
+                idx_mapping, expanded_idx_mapping, expanded_local_pos,
+                self.sampler.sampling_states.temperature.gpu,
+                self.sampler.sampling_states.seeds.gpu, self.num_speculative_steps,
+                self.synthetic_conditional_rates, use_fp64=self.sampler.use_fp64_gumbel,
+                use_block_verification=self.use_block_verification,
+                fly_window_size=self.fly_window_size,
+                fly_entropy_threshold=self.fly_entropy_threshold,
+                fly_entropy_top_k=self.fly_entropy_top_k,
+                **self._watermarking_kwargs(draft_sampled, expanded_idx_mapping,
+                                            expanded_local_pos))
+            return processed_logits, sampled, num_sampled
+        _ADAPTED[base] = type("RejectionSampler", (base,), {
+            "_verify": _verify, "_specdec_adapter": True, "__module__": __name__,
+            "__doc__": RejectionSampler.__doc__})
+    return _ADAPTED[base]
+
+
+_delegate.keep_own_class(_VLLM_MODULE, _vllm_class_kept)
