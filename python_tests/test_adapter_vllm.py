@@ -766,31 +766,56 @@ def test_mrv2_rejection_sample_is_verify_chain_on_mrv2_layout():
         assert int(num_sampled[i]) == int(want.num_accepted[0]) + 1
 
 
-def _invalid_draft_law_round(batch: int, gen: torch.Generator):
+def _invalid_draft_law_round(batch: int, gen: torch.Generator, grammar: str = "logits"):
     """Every request's only draft is -1 (a grammar-invalid token x, p(x) = 0, drawn from q):
-    the emitted token follows the residual norm(max(p - q, 0)), as rejecting x gives."""
+    the emitted token follows the residual norm(max(p - q, 0)), as rejecting x gives. The
+    grammar forbids token 0 by a -inf logit (``grammar="logits"``) or by a 0 bit of
+    ``token_bitmask`` on finite logits (``"bitmask"``, issue 47's law bug)."""
     vocab = 7
     row = torch.randn(vocab, generator=gen)
-    row[0] = -math.inf  # the grammar's invalid token
+    forbidden = row.clone()
+    forbidden[0] = -math.inf  # the grammar's invalid token
     q = _random_probs(vocab, gen, zeros=False)
     metadata = vllm.SpecDecodeMetadata.from_draft_token_ids([[-1]] * batch)
-    logits = torch.stack([row, torch.zeros(vocab)]).repeat(batch, 1)
+    given = forbidden if grammar == "logits" else row
+    logits = torch.stack([given, torch.zeros(vocab)]).repeat(batch, 1)
+    bitmask = None
+    if grammar == "bitmask":
+        allowed = torch.ones(2, vocab, dtype=torch.bool)
+        allowed[0, 0] = False  # the draft rows forbid token 0, the bonus rows nothing
+        bitmask = bitmask_of(allowed).repeat(batch, 1)
     sampling = vllm.SamplingMetadata(temperature=torch.ones(batch), all_greedy=False,
                                      all_random=True, spec_token_ids=[[-1]] * batch)
     out = vllm.rejection_sample(metadata, q.expand(batch, vocab), logits, sampling,
-                                seed=torch.arange(batch) + 5, validate=False)
-    p = torch.softmax(row.double(), -1)
+                                seed=torch.arange(batch) + 5, token_bitmask=bitmask,
+                                validate=False)
+    p = torch.softmax(forbidden.double(), -1)
     residual = (p - q.double()).clamp(min=0)
     return out[:, 0], residual / residual.sum()
 
 
-def test_vllm_minus_one_draft_with_probs_follows_the_residual():
-    tokens, law = _invalid_draft_law_round(LAW_BATCH, torch.Generator().manual_seed(31))
+@pytest.mark.parametrize("grammar", ["logits", "bitmask"])
+def test_vllm_minus_one_draft_with_probs_follows_the_residual(grammar):
+    """Chi-square, false-alarm rate ALPHA = 1e-4, power >= 0.99 at TV 0.02 (asserted)."""
+    tokens, law = _invalid_draft_law_round(LAW_BATCH, torch.Generator().manual_seed(31), grammar)
     assert _law_pvalue(tokens, law) > ALPHA
 
 
 def test_vllm_law_catches_minus_one_sampled_from_p(monkeypatch):
     monkeypatch.setattr(vllm_v1, "stand_ins_for_invalid_drafts",
-                        lambda step, rows, draft_probs, sm: step.draft_token_ids)
+                        lambda step, rows, draft_probs, sm, bitmask: step.draft_token_ids)
     tokens, law = _invalid_draft_law_round(LAW_BATCH, torch.Generator().manual_seed(31))
     assert _law_pvalue(tokens, law) < ALPHA, "the chi-square test missed -1 sampled from p"
+
+
+def test_vllm_law_catches_the_stand_in_ignoring_the_bitmask(monkeypatch):
+    """Planted bug (issue 47, the code before its fix): the stand-in for a -1 draft looks for a
+    -inf logit only, so under a grammar given as token_bitmask the correction is a sample of
+    the masked p instead of the residual."""
+    real = vllm_v1.stand_ins_for_invalid_drafts
+    monkeypatch.setattr(vllm_v1, "stand_ins_for_invalid_drafts",
+                        lambda step, rows, draft_probs, sm, bitmask: real(step, rows,
+                                                                          draft_probs, sm))
+    tokens, law = _invalid_draft_law_round(LAW_BATCH, torch.Generator().manual_seed(31),
+                                           "bitmask")
+    assert _law_pvalue(tokens, law) < ALPHA, "the chi-square test missed the bitmask ignored"

@@ -72,14 +72,15 @@ def apply_sampling_features(rows: torch.Tensor, step: Step, sm, *, bonus: bool) 
     return rows
 
 
-def stand_ins_for_invalid_drafts(step: Step, rows, draft_probs, sm) -> torch.Tensor:
+def stand_ins_for_invalid_drafts(step: Step, rows, draft_probs, sm, bitmask=None) -> torch.Tensor:
     """The draft ids the kernel verifies. A ``-1`` draft replaced a grammar-invalid token ``x``
     that the drafter sampled from ``q``; its exact correction is the residual
     ``max(p - q, 0)``, what rejecting ``x`` (``p(x) = 0``) gives. With ``draft_probs``, the
     first ``-1`` of a request (known from the host list ``spec_token_ids``) becomes a token
-    of its row with logit ``-inf`` (surely rejected, same residual); a row without one keeps
-    ``-1`` (the kernel then samples ``p``). One-hot drafters need nothing: their residual
-    is ``p``. Device ops on the few rows concerned, no synchronisation."""
+    its row forbids -- logit ``-inf``, or a 0 bit in ``bitmask`` (the packed rows' grammar)
+    -- surely rejected, the same residual; a row that forbids none keeps ``-1`` (the kernel
+    then samples ``p``). One-hot drafters need nothing: their residual is ``p``. Device ops
+    on the few rows concerned, no synchronisation."""
     spec = getattr(sm, "spec_token_ids", None)
     if draft_probs is None or not isinstance(spec, (list, tuple)) or len(spec) < step.batch:
         return step.draft_token_ids
@@ -94,7 +95,13 @@ def stand_ins_for_invalid_drafts(step: Step, rows, draft_probs, sm) -> torch.Ten
     if not packed:
         return step.draft_token_ids
     device = rows.device
-    lowest, token = rows[to_device(packed_rows, device)].float().min(-1)
+    index = to_device(packed_rows, device)
+    concerned = rows[index].float()
+    if bitmask is not None:  # token v is allowed where bit v % 32 of word v // 32 is 1
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        allowed = ((bitmask[index][:, :, None] >> shifts) & 1).flatten(1)[:, :step.vocab]
+        concerned = torch.where(allowed.bool(), concerned, float("-inf"))
+    lowest, token = concerned.min(-1)
     stand_in = torch.where(torch.isneginf(lowest), token, PLACEHOLDER_TOKEN_ID)
     ids = step.draft_token_ids.clone()
     ids[to_device(packed, device)] = stand_in.to(ids.dtype)

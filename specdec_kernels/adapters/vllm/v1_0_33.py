@@ -37,7 +37,8 @@ The step, as vLLM does it:
 * A draft id of ``-1`` (vLLM's scheduler pads grammar-invalid drafts with it) is a rejected
   draft: the request stops there and emits a correction token, never an error. With
   ``draft_probs`` the correction is vLLM's residual ``max(p - q, 0)`` (the first ``-1``, known
-  from ``spec_token_ids``, stands for a ``-inf`` token of its row); without, a sample of ``p``.
+  from ``spec_token_ids``, stands for a token its row forbids: a ``-inf`` logit or a 0 bit of
+  ``token_bitmask``); without, a sample of ``p``.
 * ``sampling_metadata.max_num_logprobs`` set: ``logprobs_tensors`` is vLLM's
   ``LogprobsTensors`` over every output slot (``[B * (max_spec_len + 1), n + 1]`` ids and
   logprobs, the emitted token first, and its rank), in the sampler's ``logprobs_mode``:
@@ -199,7 +200,8 @@ class RejectionSampler(torch.nn.Module):
         rows = apply_sampling_features(rows, step, sampling_metadata, bonus=fuse)
 
         params = step_params(sampling_metadata, step.batch)
-        draft_ids = stand_ins_for_invalid_drafts(step, rows, draft_probs, sampling_metadata)
+        draft_ids = stand_ins_for_invalid_drafts(step, rows, draft_probs, sampling_metadata,
+                                                 bitmask)
         out = verify_chain_packed(
             rows, draft_ids, step.cu_exclusive, max_draft_tokens=step.max_spec_len,
             draft_probs=draft_probs, token_bitmask=bitmask, seed=seeds, offset=offset,
