@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec_kernels as sk
-from specdec_kernels import _cpu, _extension, _ops, _params
+from specdec_kernels import _cpu, _extension, _ops, _params, _types
 from specdec_kernels.testing import HostSyncError, forbid_host_sync
 from specdec_kernels.testing import sync as sync_module
 
@@ -395,7 +395,7 @@ def test_the_guard_docstring_example():
 @pytest.mark.parametrize("op", ["sample", "verify_chain", "verify_chain_packed", "verify_tree"])
 def test_seed_none_while_capturing_is_a_value_error(monkeypatch, op):
     """Simulated on CPU: the capture query answers True. Nothing is drawn."""
-    monkeypatch.setattr(_params, "_capturing", lambda device: True)
+    monkeypatch.setattr(_types, "capturing", lambda device: True)
     x = make_inputs()
     calls = {
         "sample": lambda: sk.sample(x.logits2),

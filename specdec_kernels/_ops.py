@@ -53,7 +53,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _extension, _params  # _extension first: it loads _C, which defines specdec::*
+from . import _extension, _types  # _extension first: it loads _C, which defines specdec::*
 
 NAMESPACE = "specdec"
 
@@ -118,19 +118,18 @@ def call(name: str, *args):
     return IMPLEMENTATIONS[name](*args)
 
 
-def params_args(params: "_params.SamplingParams") -> tuple:
+def params_args(params: _types.SamplingParams) -> tuple:
     """A ``SamplingParams`` as the eight op arguments of ``PARAMS``."""
     return (params.temperature, params.top_k, params.top_p, params.min_p, params.uses_top_k,
             params.uses_top_p, params.all_greedy, params.uses_min_p)
 
 
-PARAMS = ("temperature", "top_k", "top_p", "min_p", "uses_top_k", "uses_top_p", "all_greedy",
-          "uses_min_p")
+PARAMS = _types.PARAMS
 
 
 def _sampling_params(temperature, top_k, top_p, min_p, uses_top_k, uses_top_p, all_greedy,
-                     uses_min_p) -> "_params.SamplingParams":
-    return _params.SamplingParams(temperature, top_k, top_p, uses_top_k, uses_top_p,
+                     uses_min_p) -> _types.SamplingParams:
+    return _types.SamplingParams(temperature, top_k, top_p, uses_top_k, uses_top_p,
                                   all_greedy, min_p, uses_min_p)
 
 
@@ -160,7 +159,7 @@ def draw_seeds(like: torch.Tensor) -> torch.Tensor:
     draw happens when the compiled step runs, every call, from the same generator as in
     eager mode (a traced ``torch.randint`` would become Inductor's own random numbers).
     Under CUDA-graph capture a graph would replay one draw forever: a ``ValueError``."""
-    if _params._capturing(like.device):  # (a function, so CPU tests can simulate capture)
+    if _types.capturing(like.device):  # (a function, so CPU tests can simulate capture)
         raise ValueError("seed: seed=None draws seeds on the host, which a CUDA graph cannot "
                          "replay (it would reuse one draw forever); pass seed (and offset) as "
                          "[B] int64 tensors when capturing")
@@ -264,11 +263,11 @@ def reference_verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: 
                                   ) -> list[torch.Tensor]:
     """The packed layout's definition: the padded equivalent (a copy), then the reference
     (slotted draft rows stay ``[S, K', V']``: the padded op reads them through the slots)."""
-    from . import chain
-    layout = chain.packed_layout(cu_num_draft_tokens, draft_token_ids.shape[0],
-                                 max_draft_tokens)
+    from .reference import packed
+    layout = packed.packed_layout(cu_num_draft_tokens, draft_token_ids.shape[0],
+                                  max_draft_tokens)
     slotted = draft_slots is not None
-    target, ids, probs, logits, bitmask = chain.padded_inputs(
+    target, ids, probs, logits, bitmask = packed.padded_inputs(
         layout, target_logits, draft_token_ids, None if slotted else draft_probs,
         None if slotted else draft_logits, token_bitmask)
     if slotted:

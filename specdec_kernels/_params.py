@@ -15,12 +15,12 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from . import _ops  # draw_seeds (_ops imports this module too: used in functions only)
+from . import _ops, _types  # _ops: the draw_seeds op (this module sits above it, docs/layers.md)
+from ._types import SamplingParams
 
 Scalar = Union[int, float, bool]
 PerRequest = Union[Scalar, torch.Tensor, None]
@@ -119,13 +119,6 @@ def _stream_key(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def _capturing(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    with torch.cuda.device(device):  # the capture state of the tensors' device, not the current
-        return torch.cuda.is_current_stream_capturing()
-
-
 def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.full((batch,), value)``, cached outside CUDA-graph capture.
 
@@ -136,7 +129,7 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
     """
     # Under torch.compile the fill is part of the traced graph (a cached tensor would be a
     # graph constant, and a fake tensor must never enter the cache).
-    if torch.compiler.is_compiling() or _capturing(device):
+    if torch.compiler.is_compiling() or _types.capturing(device):
         return torch.full((batch,), value, dtype=dtype, device=device)
     key = (type(value), value, batch, dtype, device, _stream_key(device))
     cached = _BROADCAST_CACHE.get(key)
@@ -210,24 +203,6 @@ def tree_checks(parents: torch.Tensor, num_nodes: Optional[torch.Tensor]) -> lis
                          f"node i >= 1 (i < num_nodes[b]; parents before children), got "
                          f"parents[{b}, {i}] = {value} ({kind})")
     return [(bad_count, count_error), (bad_root, root_error), (bad_edge, edge_error)]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling parameters, each ``[B]`` on the logits' device.
-
-    ``uses_top_k`` / ``uses_top_p`` are host-side hints: False only when the caller passed a
-    scalar that disables the filter (or nothing), so kernels can skip that code entirely
-    without reading the device tensors.
-    """
-    temperature: torch.Tensor  # float32, 0 = greedy
-    top_k: torch.Tensor        # int32, 0 or >= V disables
-    top_p: torch.Tensor        # float32, 1 disables
-    uses_top_k: bool
-    uses_top_p: bool
-    all_greedy: bool           # host-known: every request is greedy
-    min_p: Optional[torch.Tensor] = None  # float32 [B], 0 disables (contract section 8)
-    uses_min_p: bool = False   # host-side hint like uses_top_k: False when min_p is off
 
 
 def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerRequest, *,

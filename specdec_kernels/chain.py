@@ -1,19 +1,16 @@
 """Public chain verification (contract section 3)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from . import _backend, _cpu, _ops, _params
 from ._params import PerRequest
+from ._types import ChainVerifyOutput  # the result type lives at the bottom (docs/layers.md)
 from .reference import chain as _reference
+from .reference.packed import packed_layout
 
-
-class ChainVerifyOutput(NamedTuple):
-    output_token_ids: torch.Tensor  # [B, K+1] int32: accepted drafts, correction/bonus, then -1
-    num_accepted: torch.Tensor      # [B] int32
-    logprobs: Optional[torch.Tensor] = None  # [B, K+1] float32 with return_logprobs, NaN at -1
 
 METHODS = _reference.METHODS  # contract sections 3 and 12: ("token", "block")
 
@@ -253,32 +250,6 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
     return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))
 
 
-class PackedLayout(NamedTuple):
-    """Where request ``b``'s rows of a packed chain are, computed on the device from
-    ``cu_num_draft_tokens`` (no synchronisation, graph-capturable). Unvalidated offsets are
-    clamped so that every index is in range: ``n_b`` to ``0..min(K, T - start_b)``."""
-    target_rows: torch.Tensor       # [B, K+1] int64: row of position j (j > n_b: the bonus row)
-    draft_rows: torch.Tensor        # [B, K] int64: packed index of draft j (j >= n_b: T, padding)
-    num_draft_tokens: torch.Tensor  # [B] int32: n_b
-    num_packed: int                 # T
-
-
-def packed_layout(cu_num_draft_tokens: torch.Tensor, num_packed: int,
-                  max_draft_tokens: int) -> PackedLayout:
-    cu = cu_num_draft_tokens.to(torch.int64)
-    batch = cu.shape[0] - 1
-    start = cu[:batch].clamp(0, num_packed)
-    live_drafts = torch.minimum((cu[1:] - cu[:batch]).clamp(0, max_draft_tokens),
-                                num_packed - start)
-    position = torch.arange(max_draft_tokens + 1, device=cu.device)
-    request = torch.arange(batch, device=cu.device)
-    target_rows = (start + request)[:, None] + torch.minimum(position, live_drafts[:, None])
-    draft_position = position[:max_draft_tokens]
-    draft_rows = torch.where(draft_position < live_drafts[:, None],
-                             start[:, None] + draft_position, num_packed)
-    return PackedLayout(target_rows, draft_rows, live_drafts.to(torch.int32), num_packed)
-
-
 def check_method(method) -> None:
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
@@ -343,22 +314,6 @@ def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_lo
         *_ops.params_args(params), seeds, offsets, token_bitmask, method, return_logprobs,
         draft_slots, draft_temperature)
     return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))
-
-
-def padded_inputs(layout: PackedLayout, target_logits, draft_token_ids, draft_probs,
-                  draft_logits, token_bitmask):
-    """The padded ``[B, K+1, ...]`` / ``[B, K, ...]`` equivalents of packed inputs (a copy:
-    the reference's definition of the packed layout, never the kernels' path). Draft padding
-    is id -1 and zero draft rows."""
-    def drafts_of(packed):
-        if packed is None:
-            return None
-        padding = packed.new_zeros((1,) + tuple(packed.shape[1:]))
-        return torch.cat([packed, padding])[layout.draft_rows]
-    ids = torch.cat([draft_token_ids, draft_token_ids.new_full((1,), -1)])[layout.draft_rows]
-    bitmask = None if token_bitmask is None else token_bitmask[layout.target_rows]
-    return (target_logits[layout.target_rows], ids, drafts_of(draft_probs),
-            drafts_of(draft_logits), bitmask)
 
 
 def _check_packed_values(draft_token_ids: torch.Tensor, cu: torch.Tensor, max_draft_tokens: int,

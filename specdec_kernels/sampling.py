@@ -1,12 +1,13 @@
 """Public ``processed_probs`` and ``sample`` (contract sections 1 and 2)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from . import _backend, _cpu, _ops, _params
 from ._params import PerRequest
+from ._types import SampleOutput  # the result type lives at the bottom (docs/layers.md)
 
 
 def _check_logits(logits, name: str = "logits", ndim=None) -> torch.Tensor:
@@ -16,12 +17,6 @@ def _check_logits(logits, name: str = "logits", ndim=None) -> torch.Tensor:
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"{name}: expected shape [..., V] with V >= 1, got {list(logits.shape)}")
     return logits
-
-
-class SampleOutput(NamedTuple):
-    """What :func:`sample` returns when ``return_logprobs`` is set."""
-    token_ids: torch.Tensor  # [B] int32, -1 for a row with nothing to sample
-    logprobs: torch.Tensor   # [B] float32, NaN where the token is -1
 
 
 def processed_probs(logits: torch.Tensor, temperature: PerRequest = None, top_k: PerRequest = None,

@@ -1,20 +1,14 @@
 """Public tree verification (contract section 4)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from . import _backend, _cpu, _ops, _params
 from ._params import PerRequest
+from ._types import TreeVerifyOutput  # the result type lives at the bottom (docs/layers.md)
 from .reference import tree as _reference
-
-
-class TreeVerifyOutput(NamedTuple):
-    output_token_ids: torch.Tensor  # [B, N] int32: accepted path's tokens, correction/bonus, then -1
-    accepted_nodes: torch.Tensor    # [B, N] int32: root 0, the accepted nodes, then -1
-    num_accepted: torch.Tensor      # [B] int32: accepted draft nodes (root excluded)
-    logprobs: Optional[torch.Tensor] = None  # [B, N] float32 with return_logprobs, NaN at -1
 
 
 @_backend.on_input_device

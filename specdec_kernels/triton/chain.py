@@ -31,9 +31,10 @@ rows); the race partials ``[B, chunks, 5]``. Nothing grows with ``B*K*V``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .._params import SamplingParams, broadcast
 from ._launch import last_dim_contiguous, scratch
 from ._tiles import LOGPROBS_KINDS, LOGPROBS_RAW
 from .block import residual_masses
@@ -99,7 +100,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         q = last_dim_contiguous(draft_logits)
         if num_drafts > 0 and q.numel() > 0:  # (the draft logits never take the bitmask)
             q_stats = row_stats(q, params if draft_temperature is None else
-                                draft_params(draft_temperature), merge_in_consumer=True,
+                                draft_params(params, draft_temperature), merge_in_consumer=True,
                                 packed=draft_rows, slotted=slotted)
     elif draft_probs is not None:
         q_mode = Q_PROBS
@@ -121,9 +122,13 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     return out, num_accepted, logprobs
 
 
-def draft_params(draft_temperature: torch.Tensor) -> SamplingParams:
+def draft_params(params, draft_temperature: torch.Tensor):
     """The draft logits' parameters with ``draft_temperature``: that temperature, no filter
-    (its greedy rows, T = 0, give their arg-max: q one-hot there)."""
-    batch, device = draft_temperature.shape[0], draft_temperature.device
-    return SamplingParams(draft_temperature, broadcast(0, batch, torch.int32, device),
-                          broadcast(1.0, batch, torch.float32, device), False, False, False)
+    (its greedy rows, T = 0, give their arg-max: q one-hot there). ``params``: the parsed
+    target parameters (a ``SamplingParams``, a type this layer does not import); the filters'
+    tensors are scratch, never read with their ``uses_*`` False."""
+    device = draft_temperature.device
+    return dataclasses.replace(
+        params, temperature=draft_temperature, top_k=scratch(device, torch.int32),
+        top_p=scratch(device, torch.float32), min_p=None, uses_top_k=False, uses_top_p=False,
+        all_greedy=False, uses_min_p=False)

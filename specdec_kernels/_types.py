@@ -1,0 +1,62 @@
+"""Plain values shared by every layer (the bottom of the package, beside ``_rng``): the parsed
+sampling parameters every backend takes, the public ops' result types (re-exported by
+``sampling``, ``chain`` and ``tree``), and whether a device is capturing a CUDA graph.
+
+Nothing here imports another module of the package (docs/layers.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+# The fields of ``SamplingParams`` in the order the registered ops take them (``_ops``).
+PARAMS = ("temperature", "top_k", "top_p", "min_p", "uses_top_k", "uses_top_p", "all_greedy",
+          "uses_min_p")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters, each ``[B]`` on the logits' device.
+
+    ``uses_top_k`` / ``uses_top_p`` are host-side hints: False only when the caller passed a
+    scalar that disables the filter (or nothing), so kernels can skip that code entirely
+    without reading the device tensors.
+    """
+    temperature: torch.Tensor  # float32, 0 = greedy
+    top_k: torch.Tensor        # int32, 0 or >= V disables
+    top_p: torch.Tensor        # float32, 1 disables
+    uses_top_k: bool
+    uses_top_p: bool
+    all_greedy: bool           # host-known: every request is greedy
+    min_p: Optional[torch.Tensor] = None  # float32 [B], 0 disables (contract section 8)
+    uses_min_p: bool = False   # host-side hint like uses_top_k: False when min_p is off
+
+
+class SampleOutput(NamedTuple):
+    """What :func:`sample` returns when ``return_logprobs`` is set."""
+    token_ids: torch.Tensor  # [B] int32, -1 for a row with nothing to sample
+    logprobs: torch.Tensor   # [B] float32, NaN where the token is -1
+
+
+class ChainVerifyOutput(NamedTuple):
+    output_token_ids: torch.Tensor  # [B, K+1] int32: accepted drafts, correction/bonus, then -1
+    num_accepted: torch.Tensor      # [B] int32
+    logprobs: Optional[torch.Tensor] = None  # [B, K+1] float32 with return_logprobs, NaN at -1
+
+
+class TreeVerifyOutput(NamedTuple):
+    output_token_ids: torch.Tensor  # [B, N] int32: accepted path's tokens, correction/bonus, then -1
+    accepted_nodes: torch.Tensor    # [B, N] int32: root 0, the accepted nodes, then -1
+    num_accepted: torch.Tensor      # [B] int32: accepted draft nodes (root excluded)
+    logprobs: Optional[torch.Tensor] = None  # [B, N] float32 with return_logprobs, NaN at -1
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (False on CPU). A module
+    function, so that CPU tests can simulate capture by replacing it."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):  # the capture state of the tensors' device, not the current
+        return torch.cuda.is_current_stream_capturing()
