@@ -548,6 +548,104 @@ def test_vllm_malformed_metadata_names_the_field_writes_nothing_draws_nothing():
     assert torch.equal(torch.get_rng_state(), default)
 
 
+class DrawingSampler(FakeSampler):
+    """A Sampler that, as vLLM's does, advances torch's generator and each request's own."""
+
+    def __call__(self, logits, sampling_metadata, **kwargs):
+        torch.rand(1)
+        for generator in sampling_metadata.generators.values():
+            torch.rand(1, generator=generator)
+        return super().__call__(logits, sampling_metadata, **kwargs)
+
+
+def _bad_sampling_cases(vocab: int, batch: int):
+    """(sampling changes, forward keywords, error, field) of issue 47's item 2: each raised
+    by the op, or as an IndexError, only after the features were written."""
+    def min_tokens(stop):
+        return types.SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[
+            types.SimpleNamespace(min_toks={0: (9, [], stop)}, apply_with_spec_decode=None)])
+    def bias(biases):
+        return types.SimpleNamespace(argmax_invariant=[], non_argmax_invariant=[
+            types.SimpleNamespace(biases=biases)])
+    return [
+        (dict(top_k=torch.ones(batch)), {}, TypeError, "top_k"),
+        (dict(temperature=torch.ones(batch, dtype=torch.bool)), {}, TypeError, "temperature"),
+        (dict(top_p=torch.ones(batch, dtype=torch.bool)), {}, TypeError, "top_p"),
+        ({}, dict(seed=1.5), TypeError, "seed"),
+        ({}, dict(seed=torch.zeros(batch + 1, dtype=torch.int64)), ValueError, "seed"),
+        ({}, dict(offset=torch.zeros(batch, 2, dtype=torch.int64)), ValueError, "offset"),
+        (dict(bad_words_token_ids={1: [[2, vocab]]}), {}, ValueError, "bad_words_token_ids"),
+        (dict(bad_words_token_ids={0: [[-2]]}), {}, ValueError, "bad_words_token_ids"),
+        (dict(bad_words_token_ids={0: [[]]}), {}, ValueError, "bad_words_token_ids"),
+        (dict(bad_words_token_ids={0: [[1.5]]}), {}, TypeError, "bad_words_token_ids"),
+        (dict(logitsprocs=bias({0: {1: 2.0}, 1: {vocab: 1.0}})), {}, ValueError, "logit_bias"),
+        (dict(logitsprocs=bias({0: {-1: 2.0}})), {}, ValueError, "logit_bias"),
+        (dict(logitsprocs=bias({0: {1: "big"}})), {}, TypeError, "logit_bias"),
+        (dict(logitsprocs=min_tokens({1, vocab + 3})), {}, ValueError, "min_tokens"),
+        (dict(logitsprocs=min_tokens({-1})), {}, ValueError, "min_tokens"),
+        (dict(prompt_token_ids=torch.zeros(4, dtype=torch.int64)), {}, ValueError,
+         "prompt_token_ids"),
+        (dict(prompt_token_ids=torch.zeros(batch, 4)), {}, TypeError, "prompt_token_ids"),
+        (dict(prompt_token_ids=torch.zeros(batch - 1, 4, dtype=torch.int64)), {}, ValueError,
+         "prompt_token_ids"),
+        (dict(repetition_penalties=torch.ones(batch, dtype=torch.bool)), {}, TypeError,
+         "repetition_penalties"),
+        (dict(output_token_ids=[[1, vocab], [], []]), {}, ValueError, "output_token_ids"),
+        (dict(spec_token_ids=[[1, -3], [0], [2, 2]]), {}, ValueError, "spec_token_ids"),
+    ]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_vllm_bad_sampling_inputs_raise_before_anything_is_written(fused):
+    """Issue 47 item 2: every check runs before the features are written into logits, before
+    the bonus Sampler runs and before any generator advances: logits byte-identical, torch's
+    and the request's generator unchanged, the Sampler not called, the field named."""
+    metadata, logits, draft_probs = _vllm_problem([2, 1, 2], seed=16)
+    batch, vocab = 3, logits.shape[1]
+    spec = [metadata.draft_token_ids[:2].tolist(), metadata.draft_token_ids[2:3].tolist(),
+            metadata.draft_token_ids[3:].tolist()]
+    mask = torch.zeros(batch, vocab, dtype=torch.bool)
+    mask[:, 0] = True  # written first by the features: a late check would leave it in logits
+    base = dict(temperature=torch.ones(batch), all_greedy=False, all_random=True,
+                allowed_token_ids_mask=mask, no_penalties=False,
+                prompt_token_ids=torch.full((batch, 2), vocab),
+                frequency_penalties=torch.full((batch,), 0.5),
+                presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
+                output_token_ids=[[1], [], [2]], spec_token_ids=spec,
+                bad_words_token_ids={0: [[3]]})
+    generator = torch.Generator().manual_seed(4)
+    for changes, keywords, error, name in _bad_sampling_cases(vocab, batch):
+        sampler = DrawingSampler()
+        sampling = vllm.SamplingMetadata(**{**base, "generators": {1: generator}, **changes})
+        before, state, default = logits.clone(), generator.get_state(), torch.get_rng_state()
+        with pytest.raises(error, match=f"^{name}"):
+            vllm.RejectionSampler(sampler, fused_bonus=fused)(metadata, draft_probs, logits,
+                                                              sampling, **keywords)
+        assert torch.equal(logits.view(torch.int32), before.view(torch.int32)), name
+        assert not sampler.calls, f"{name}: the Sampler ran for a rejected call"
+        assert torch.equal(generator.get_state(), state), name
+        assert torch.equal(torch.get_rng_state(), default), name
+    with pytest.raises(ValueError, match="^backend"):
+        vllm.RejectionSampler(DrawingSampler(), backend="bogus")
+    # The base call is valid, and writes: the checks above are what kept logits intact.
+    vllm.RejectionSampler(DrawingSampler(), fused_bonus=fused)(
+        metadata, draft_probs, logits, vllm.SamplingMetadata(**base))
+    assert bool(torch.isneginf(logits[0, 0]))
+
+
+def test_vllm_validated_call_checks_the_prompt_ids():
+    metadata, logits, _ = _vllm_problem([1, 1], seed=17)
+    sampling = vllm.SamplingMetadata(
+        temperature=torch.ones(2), all_greedy=False, all_random=True, no_penalties=False,
+        prompt_token_ids=torch.tensor([[0, 11], [-1, 11]]), frequency_penalties=torch.ones(2),
+        presence_penalties=torch.ones(2), repetition_penalties=torch.ones(2),
+        output_token_ids=[[], []], spec_token_ids=[[0], [1]])
+    before = logits.clone()
+    with pytest.raises(ValueError, match=r"^prompt_token_ids: expected ids in \[0, 11\]"):
+        vllm.rejection_sample(metadata, None, logits, sampling)
+    assert torch.equal(logits, before)
+
+
 def test_vllm_modes_block_and_delegation():
     """"block" is our block verification; FLy and synthetic are vLLM's own class (without
     vLLM: NotImplementedError at construction naming rejection_sample_method)."""

@@ -156,6 +156,13 @@ def check_values(step: Step, metadata, logits, sm, offset) -> None:
     _params.sampling_params(params["temperature"], params["top_k"], params["top_p"],
                             batch=step.batch, vocab_size=step.vocab, device=device,
                             validate=True, min_p=params["min_p"])
+    prompt = getattr(sm, "prompt_token_ids", None)
+    if not getattr(sm, "no_penalties", True) and prompt.numel():
+        bad = (prompt < 0) | (prompt > step.vocab)
+        if bool(bad.any()):
+            b, i = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"prompt_token_ids: expected ids in [0, {step.vocab}] ({step.vocab}"
+                             f": padding), got {int(prompt[b, i])} at [{b}, {i}]")
     _params.per_request(_params._as_int64(offset, "offset"), "offset", step.batch, device,
                         torch.int64, 0)
 
@@ -213,11 +220,16 @@ def check_sampling(sm, batch: int, vocab: int, device) -> None:
                                  f"penalties and bad words, got {type(lists).__name__}"
                                  + ("" if lists is None else f" of length {len(lists)}"))
     if penalised:
-        if getattr(sm, "prompt_token_ids", None) is None:
+        prompt = getattr(sm, "prompt_token_ids", None)
+        if prompt is None:
             raise ValueError("prompt_token_ids: expected a [B, P] tensor with penalties, "
                              "got None")
+        _params.check_tensor(prompt, "prompt_token_ids", ndim=2, dtypes=_params.INDEX_DTYPES)
+        if prompt.shape[0] < batch:
+            raise ValueError(f"prompt_token_ids: expected shape [>= {batch}, P] (one row per "
+                             f"request, padded with V), got {list(prompt.shape)}")
         for name in ("frequency_penalties", "presence_penalties", "repetition_penalties"):
-            check_per_request(getattr(sm, name, None), name, batch, device)
+            check_per_request(getattr(sm, name, None), name, batch, device, real=True)
     mask = getattr(sm, "allowed_token_ids_mask", None)
     if mask is not None:
         _params.check_tensor(mask, "allowed_token_ids_mask", ndim=2, dtypes=(torch.bool,),
@@ -225,9 +237,10 @@ def check_sampling(sm, batch: int, vocab: int, device) -> None:
         if mask.shape[0] < batch or mask.shape[1] != vocab:
             raise ValueError(f"allowed_token_ids_mask: expected shape [>= {batch}, {vocab}], "
                              f"got {list(mask.shape)}")
+    _check_feature_ids(sm, batch, vocab, penalised or bool(bad_words))
 
 
-def check_per_request(value, name: str, batch: int, device) -> None:
+def check_per_request(value, name: str, batch: int, device, *, real: bool = False) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a [B] tensor, got {type(value).__name__}")
     if value.device != device:
@@ -235,6 +248,80 @@ def check_per_request(value, name: str, batch: int, device) -> None:
     if value.reshape(-1).shape[0] < batch:
         raise ValueError(f"{name}: expected {batch} entries (one per request), "
                          f"got shape {list(value.shape)}")
+    if real and (value.dtype == torch.bool or value.is_complex()):
+        raise TypeError(f"{name}: expected a real-valued tensor, got dtype {value.dtype}")
+
+
+def _check_token_ids(ids, name: str, vocab: int, where: str, low: int = 0,
+                     types: bool = True) -> None:
+    """Host token ids in ``[low, V)`` (and Python ints, with ``types``): a ValueError naming
+    ``name`` (an id past V would be an IndexError after partial writes, a negative one a
+    silent write to token ``V - k``)."""
+    try:
+        ids = list(ids)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)] \
+            if types else []
+        if not bad and ids and low <= min(ids) and max(ids) < vocab:
+            return
+    except TypeError:
+        raise TypeError(f"{name}: expected a list of Python int token ids {where}, got "
+                        f"{type(ids).__name__}") from None
+    if bad:
+        raise TypeError(f"{name}: expected Python int token ids, got {bad[0]!r} "
+                        f"({type(bad[0]).__name__}) {where}")
+    if ids:
+        t = next(t for t in ids if not low <= t < vocab)
+        raise ValueError(f"{name}: expected token ids in [{low}, {vocab}), got {t} {where}")
+
+
+def _check_feature_ids(sm, batch: int, vocab: int, with_history: bool) -> None:
+    """The token ids the features write at (bad words, logit bias, min tokens' stop tokens)
+    and read (the histories): host lists, all checked before any row is written."""
+    if with_history:
+        for name, lists, low in (("output_token_ids", getattr(sm, "output_token_ids", None), -1),
+                                 ("spec_token_ids", getattr(sm, "spec_token_ids", None), -1)):
+            for b in range(batch):
+                _check_token_ids(lists[b], name, vocab, f"for request {b} (-1: a placeholder)",
+                                 low, types=False)  # read only: compared and counted
+    bad_words = getattr(sm, "bad_words_token_ids", None) or {}
+    if not isinstance(bad_words, dict):
+        raise TypeError(f"bad_words_token_ids: expected a dict batch index -> list of words, "
+                        f"got {type(bad_words).__name__}")
+    for b, words in bad_words.items():
+        for word in words or ():
+            if isinstance(word, (list, tuple)) and not word:
+                raise ValueError(f"bad_words_token_ids: expected non-empty words, got [] for "
+                                 f"request {b}")
+            _check_token_ids(word, "bad_words_token_ids", vocab, f"in request {b}'s word")
+    for processor in processors(sm, "non_argmax_invariant"):
+        if is_min_tokens(processor) and processor.min_toks:
+            for b, entry in processor.min_toks.items():
+                if not isinstance(entry, (list, tuple)) or len(entry) < 3:
+                    raise TypeError(f"min_tokens: expected (min_tokens, output, stop token ids"
+                                    f"[, structured]) per request, got {entry!r} for request {b}")
+                _check_token_ids(entry[2], "min_tokens", vocab, f"(stop tokens) for request {b}")
+        elif is_logit_bias(processor) and processor.biases:
+            for b, biases in processor.biases.items():
+                biases = biases or {}
+                _check_token_ids(biases.keys(), "logit_bias", vocab, f"for request {b}")
+                for token, bias in biases.items():
+                    if isinstance(bias, bool) or not isinstance(bias, numbers.Real):
+                        raise TypeError(f"logit_bias: expected real biases, got {bias!r} for "
+                                        f"token {token} of request {b}")
+
+
+def check_op_arguments(params: dict, seed, offset, batch: int, vocab: int, device) -> None:
+    """What the op checks without a device read -- the sampling parameters' types and shapes,
+    the seeds' and offsets' -- here, before any row is written, the bonus ``Sampler`` runs or
+    a generator advances (the op then checks them again, as it checks every caller)."""
+    _params.sampling_params(params["temperature"], params["top_k"], params["top_p"],
+                            batch=batch, vocab_size=vocab, device=device, validate=False,
+                            min_p=params["min_p"])
+    _params.per_request(_params._as_int64(offset, "offset"), "offset", batch, device,
+                        torch.int64, 0)
+    if seed is not None and not isinstance(seed, _params.DeferredSeeds):
+        _params.per_request(_params._as_int64(seed, "seed"), "seed", batch, device,
+                            torch.int64, 0)
 
 
 def to_device(values: list, device, dtype=torch.int64) -> torch.Tensor:

@@ -76,11 +76,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from ... import _backend
 from ...chain import verify_chain_packed
 from . import _delegate
 from ._features import apply_sampling_features, stand_ins_for_invalid_drafts
-from ._layout import (check_values, fusable, packed_rows, parse_step, replace, request_seeds,
-                      step_params)
+from ._layout import (check_op_arguments, check_values, fusable, packed_rows, parse_step,
+                      replace, request_seeds, step_params)
 from ._logprobs import LOGITS_MODES, PROCESSED_LOGPROBS_MODES
 from ._logprobs import logprobs_tensors as logprobs_tensors_of
 from ._types import PLACEHOLDER_TOKEN_ID, vllm_types
@@ -136,6 +137,8 @@ class RejectionSampler(torch.nn.Module):
             raise NotImplementedError(f"rejection_sample_method: expected one of "
                                       f"{sorted(m for m in _OUR_METHODS if m)} or "
                                       f"{list(_VLLM_ONLY_METHODS)}, got {method!r}")
+        if not isinstance(backend, str) or backend not in _backend.BACKENDS:
+            raise ValueError(f"backend: expected one of {_backend.BACKENDS}, got {backend!r}")
         if sampler is None and not fused_bonus:
             raise ValueError("sampler: expected vLLM's Sampler (it samples the bonus tokens), "
                              "got None; pass fused_bonus=True to sample them in our kernel")
@@ -170,7 +173,11 @@ class RejectionSampler(torch.nn.Module):
             vLLM's ``SamplerOutput``: ``sampled_token_ids [B, max_spec_len + 1]`` int32 (the
             accepted drafts, a correction or bonus token, then -1) and ``logprobs_tensors``.
         """
+        # Every check first: nothing is written to logits, the Sampler does not run and no
+        # generator advances for a call that is then rejected.
         step = parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask)
+        params = step_params(sampling_metadata, step.batch)
+        check_op_arguments(params, seed, offset, step.batch, step.vocab, logits.device)
         if self.validate:
             check_values(step, metadata, logits, sampling_metadata, offset)
         want_logprobs = step.max_num_logprobs is not None
@@ -199,7 +206,6 @@ class RejectionSampler(torch.nn.Module):
             raw_rows = rows.float().clone() if step.has_processors else rows
         rows = apply_sampling_features(rows, step, sampling_metadata, bonus=fuse)
 
-        params = step_params(sampling_metadata, step.batch)
         draft_ids = stand_ins_for_invalid_drafts(step, rows, draft_probs, sampling_metadata,
                                                  bitmask)
         out = verify_chain_packed(
