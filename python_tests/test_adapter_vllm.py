@@ -864,6 +864,40 @@ def test_mrv2_rejection_sample_is_verify_chain_on_mrv2_layout():
         assert int(num_sampled[i]) == int(want.num_accepted[0]) + 1
 
 
+def test_mrv2_bad_indices_name_the_argument():
+    """Issue 47 item 3: idx_mapping past the end of temperature / seed / draft_logits and a
+    cu_num_logits that does not match the rows are ValueErrors naming the argument (value
+    checks: validate=None on CPU, or True); fewer logits rows than requests is a shape, checked
+    always. validate=False clamps a slot past the end (no read out of bounds, no error)."""
+    from specdec_kernels.adapters import vllm_mrv2
+    problem = _mrv2_problem([2, 0, 3, 1], max_num_reqs=6)
+
+    def call(validate=None, **changes):
+        return vllm_mrv2.rejection_sample(**{**problem, **changes}, validate=validate)
+    past_end = problem["idx_mapping"].clone()
+    past_end[1] = 6
+    for changes in (dict(idx_mapping=past_end), dict(temperature=problem["temperature"][:3]),
+                    dict(seed=problem["seed"][:2]),
+                    dict(draft_logits=problem["draft_logits"][:4])):
+        with pytest.raises(ValueError, match=r"^idx_mapping: expected request slots in \[0, "):
+            call(**changes)
+        with pytest.raises(ValueError, match="^idx_mapping"):
+            call(validate=True, **changes)
+    few = problem["cu_num_logits"].clone()
+    few[1:] = torch.tensor([1, 2, 3, 3], dtype=few.dtype)  # the last request has no row
+    with pytest.raises(ValueError, match="^cu_num_logits"):
+        call(cu_num_logits=few)
+    too_many = torch.tensor([0, 5, 6, 10, 12], dtype=few.dtype)  # 5 rows: 4 drafts > K = 3
+    with pytest.raises(ValueError, match="^cu_num_logits"):
+        call(cu_num_logits=too_many)
+    rows = 3  # fewer logits rows than the 4 requests
+    with pytest.raises(ValueError, match="^target_logits, cu_num_logits"):
+        call(validate=False, target_logits=problem["target_logits"][:rows],
+             draft_sampled=problem["draft_sampled"][:rows], pos=problem["pos"][:rows])
+    sampled, num_sampled = call(validate=False, idx_mapping=past_end)
+    assert sampled.shape == (4, 4) and bool((num_sampled >= 1).all())
+
+
 def _invalid_draft_law_round(batch: int, gen: torch.Generator, grammar: str = "logits"):
     """Every request's only draft is -1 (a grammar-invalid token x, p(x) = 0, drawn from q):
     the emitted token follows the residual norm(max(p - q, 0)), as rejecting x gives. The

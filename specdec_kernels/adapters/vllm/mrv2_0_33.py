@@ -43,6 +43,7 @@ import torch
 
 from ... import _params
 from ...chain import verify_chain_packed
+from .._common import value_checks_wanted
 from . import _delegate
 
 __all__ = ["rejection_sample", "RejectionSampler"]
@@ -61,8 +62,17 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
                      watermarking_skip_mask: Optional[torch.Tensor] = None,
                      watermark_key: Optional[int] = None, fly_window_size: int = 0,
                      fly_entropy_threshold: float = 0.3, fly_entropy_top_k: int = 3,
-                     *, backend: str = "auto"):
-    """MRV2's ``rejection_sample`` by our exact kernels (module docstring)."""
+                     *, backend: str = "auto", validate: Optional[bool] = None):
+    """MRV2's ``rejection_sample`` by our exact kernels (module docstring).
+
+    ``validate`` (ours): None (default) runs the checks that read index values where they
+    cost no synchronisation (CPU tensors, eager); True/False force them. They are:
+    ``idx_mapping`` in range of ``temperature``, ``seed`` and ``draft_logits``'s slots,
+    ``cu_num_logits`` starting at 0, ending at the number of logits rows, with ``1 ..
+    num_speculative_steps + 1`` rows per request. Skipped, an index past the end is clamped
+    to the last slot (never read out of bounds; that request's tokens are then garbage, not
+    an error). Shapes -- e.g. fewer logits rows than requests -- are checked always.
+    """
     vllm_only = [name for name, used in (
         ("synthetic_conditional_rates", synthetic_conditional_rates is not None),
         ("fly_window_size", bool(fly_window_size)),
@@ -102,6 +112,15 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
         if tensor.shape[0] != num_logits:
             raise ValueError(f"{name}: expected {num_logits} entries (one per logits row), "
                              f"got {tensor.shape[0]}")
+    if num_logits < num_reqs:
+        raise ValueError(f"target_logits, cu_num_logits: expected at least one logits row per "
+                         f"request (its bonus row), {num_reqs} requests, got {num_logits} rows")
+    slot_sizes = {"temperature": temperature.shape[0], "seed": seed.shape[0]}
+    if draft_logits is not None:
+        slot_sizes["draft_logits"] = draft_logits.shape[0]
+    if num_reqs and min(slot_sizes.values()) < 1:
+        raise ValueError(f"{', '.join(slot_sizes)}: expected max_num_reqs >= 1 request slots, "
+                         f"got {slot_sizes}")
     if draft_logits is not None:
         _params.check_tensor(draft_logits, "draft_logits", ndim=3, dtypes=_params.LOGIT_DTYPES,
                              device=device)
@@ -109,6 +128,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
             raise ValueError(f"draft_logits: expected [max_num_reqs, >= {num_speculative_steps}"
                              f", >= {vocab}], got {list(draft_logits.shape)}")
     num_packed = num_logits - num_reqs  # T: every request has one bonus row
+    if value_checks_wanted(validate, device):
+        _check_indices(cu_num_logits, idx_mapping, slot_sizes, num_logits, num_speculative_steps)
 
     cu = cu_num_logits.to(torch.int64)
     requests = torch.arange(num_reqs, device=device)
@@ -119,7 +140,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
     draft_ids = draft_sampled.to(torch.int64)[draft_rows] if num_packed else \
         draft_sampled.new_zeros(0, dtype=torch.int64)
 
-    slots = idx_mapping.to(torch.int64)
+    # Unvalidated slots past the end are clamped: never a read out of bounds (the op clamps
+    # draft_slots itself).
+    slots = idx_mapping.to(torch.int64).clamp(0, max(min(slot_sizes.values()) - 1, 0))
     temp = temperature.to(torch.float32)[slots]
     greedy = temp == 0
     # The drafter's rows in place: request i's draft j is draft_logits[idx_mapping[i], j, :V],
@@ -135,6 +158,25 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
         method="block" if use_block_verification else "token", backend=backend,
         validate=False)
     return out.output_token_ids.to(torch.int64), out.num_accepted + 1
+
+
+def _check_indices(cu_num_logits, idx_mapping, slot_sizes: dict, num_logits: int,
+                   num_speculative_steps: int) -> None:
+    """``validate``: the index values (one synchronisation)."""
+    slots = idx_mapping.to(torch.int64)
+    for name, size in slot_sizes.items():
+        bad = (slots < 0) | (slots >= size)
+        if bool(bad.any()):
+            i = _params.first_true(bad)
+            raise ValueError(f"idx_mapping: expected request slots in [0, {size}) ({name} has "
+                             f"{size}), got {int(slots[i])} at [{i}]")
+    cu = cu_num_logits.to(torch.int64).tolist()
+    counts = [b - a for a, b in zip(cu, cu[1:])]
+    if cu[0] != 0 or cu[-1] != num_logits or not all(
+            1 <= n <= num_speculative_steps + 1 for n in counts):
+        raise ValueError(f"cu_num_logits: expected offsets from 0 to {num_logits} (the logits "
+                         f"rows) with 1 to num_speculative_steps + 1 = "
+                         f"{num_speculative_steps + 1} rows per request, got {cu}")
 
 
 _VLLM_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
