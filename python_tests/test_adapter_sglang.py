@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -477,6 +479,46 @@ def test_batch_size_zero(draft, validate):
         temperature=empty(0, 1, dtype=torch.float32), draft_probs=draft_probs, validate=validate)
     sglang.verify_tree_greedy(*outputs, **lists, target_predict=empty(0, 4), validate=validate)
     assert all(t.numel() == 0 for t in outputs)
+
+
+BAD_AT_ANY_BATCH = [  # (keywords, error, argument named): issue 47 item 4
+    (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(temperature=math.nan), ValueError, "temperature"),
+    (dict(top_k=-1), ValueError, "top_k"),
+    (dict(draft_sampling="bogus"), ValueError, "draft_sampling"),
+    (dict(draft_sampling="bogus", draft_probs="probs"), ValueError, "draft_sampling"),
+    (dict(seed=1.5), TypeError, "seed"),
+    (dict(backend="bogus"), ValueError, "backend"),
+    (dict(temperature="[bs + 1, 1]"), ValueError, "temperature"),
+    (dict(draft_probs="int"), TypeError, "draft_probs"),
+]
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+@pytest.mark.parametrize("case", range(len(BAD_AT_ANY_BATCH)))
+def test_bad_input_raises_at_every_batch_size(batch, case):
+    """At batch size 0 the same checks run as at 1 (the core verify_tree's, and
+    draft_sampling even without draft_probs); nothing is written, no generator advances."""
+    keywords, error, name = BAD_AT_ANY_BATCH[case]
+    nodes, vocab = 3, 5
+    given = {"probs": torch.full((batch, nodes, vocab), 0.2),
+             "int": torch.ones(batch, nodes, vocab, dtype=torch.int64),
+             "[bs + 1, 1]": torch.ones(batch + 1, 1)}
+    keywords = {k: given[v] if k in ("draft_probs", "temperature") and isinstance(v, str)
+                else v for k, v in keywords.items()}
+    next_token = torch.full((batch, nodes), -1)
+    next_token[:, 0], next_token[:, 1] = 1, 2  # a chain 0 -> 1 -> 2
+    outputs = _sglang_outputs(batch, nodes, 4)
+    before = [t.clone() for t in outputs]
+    state = torch.get_rng_state()
+    with pytest.raises(error, match=f"^{name}"):
+        sglang.tree_speculative_sampling_target_only(
+            *outputs, candidates=torch.zeros(batch, nodes, dtype=torch.int64),
+            retrive_index=torch.arange(batch * nodes).view(batch, nodes),
+            retrive_next_token=next_token, retrive_next_sibling=torch.full((batch, nodes), -1),
+            target_logits=torch.zeros(batch, nodes, vocab), **keywords)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, before))
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_rejected_call_advances_no_generator():

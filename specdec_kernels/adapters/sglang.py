@@ -25,8 +25,9 @@ flat indices of the accepted path, root first (later entries untouched: callers 
 emitted after path node ``i`` -- the next accepted draft, and after the last one the
 correction or bonus token (other entries untouched). ``predicts`` never holds ``-1`` where
 the kernel writes a token: a row with no mass to sample from gives ``V - 1``, as SGLang's
-kernel writes. Batch size 0 writes nothing. ``sampling_info.temperatures`` (``[bs, 1]``) and
-the ``[bs]`` ``top_ks``/``top_ps``/``min_ps`` are taken as SGLang holds them.
+kernel writes. Batch size 0 writes nothing, after the checks every batch gets (a bad
+argument raises at ``bs = 0`` as at ``bs = 1``). ``sampling_info.temperatures`` (``[bs, 1]``)
+and the ``[bs]`` ``top_ks``/``top_ps``/``min_ps`` are taken as SGLang holds them.
 
 What differs from SGLang (each also in the docstrings and docs/engines.md), each where ours
 is exact and SGLang's is not:
@@ -70,6 +71,7 @@ from typing import Optional
 import torch
 
 from .. import _params
+from ..reference.tree import DRAFT_SAMPLING
 from ..tree import verify_tree
 from ..tree_attention import build_tree_attention
 from ._common import (capturing_cuda_graph, logits_from_probs, restoring_generator,
@@ -196,6 +198,11 @@ def tree_speculative_sampling_target_only(
         exact = exact and value == 1
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    # Checked here, not only by verify_tree: without draft_probs it is not passed on.
+    if draft_sampling is not None and (not isinstance(draft_sampling, str)
+                                       or draft_sampling not in DRAFT_SAMPLING):
+        raise ValueError(f"draft_sampling: expected one of {DRAFT_SAMPLING}, "
+                         f"got {draft_sampling!r}")
     if not exact:
         return _sglang_relaxed(predicts, accept_index, accept_token_num, candidates,
                                retrive_index, retrive_next_token, retrive_next_sibling,
@@ -233,16 +240,15 @@ def tree_speculative_sampling_target_only(
                             "[bs, N, V] like candidates")
     vocab = target_logits.shape[-1]
     if draft_probs is not None:
-        _params.check_tensor(draft_probs, "draft_probs", ndim=3, device=device)
+        _params.check_tensor(draft_probs, "draft_probs", ndim=3,
+                             dtypes=_params.LOGIT_DTYPES + (torch.float64,), device=device)
         _params.check_shape(draft_probs, "draft_probs", [batch, nodes, vocab],
                             "[bs, N, V] like the target")
     seed, offset = _coin_seeds(seed, offset, uniform_samples, uniform_samples_for_final_sampling,
                                batch, nodes, device)
     tree = tree_from_sglang(retrive_next_token, retrive_next_sibling, candidates,
                             validate=values)
-    if batch == 0:
-        return None
-    if values:
+    if values and batch:
         _check_outputs(retrive_index, predicts, tree.parents, num_spec_step)
     # seed=None: one seed per request from torch's generator, drawn by the first verify_tree
     # once it has checked its arguments, and reused by the second; a rejected call puts the
@@ -260,10 +266,12 @@ def tree_speculative_sampling_target_only(
                                    backend=backend, validate=values, **filters)
         if draft_probs is None:
             out = verify()
-        elif draft_sampling is not None:
-            out = verify(draft_probs=draft_probs, draft_sampling=draft_sampling)
+        elif draft_sampling is not None or batch == 0:
+            out = verify(draft_probs=draft_probs, draft_sampling=draft_sampling or "iid")
         else:
             out = _verify_scratch_or_probs(verify, draft_probs, values)
+    if batch == 0:  # checked as every batch is (verify_tree checks its arguments at B = 0 too)
+        return None
     _write_path(predicts, accept_index, accept_token_num, retrive_index, out.accepted_nodes,
                 out.output_token_ids, out.num_accepted, vocab)
 
