@@ -328,6 +328,9 @@ def test_bad_input_names_the_argument_and_writes_nothing():
         (dict(seed="7"), TypeError, "seed"),
         (dict(offset=2**64), ValueError, "offset"),
         (dict(validate="no"), TypeError, "validate"),
+        # V = 0: named by the arguments given, not the op's target_logits (issue 47 item 6)
+        (dict(draft_probs=draft[..., :0], target_probs=target[..., :0]), ValueError,
+         "^target_probs, draft_probs: expected V >= 1"),
     ]
     for change, error, name in cases:
         kwargs = dict(draft_probs=draft, draft_token_ids=ids, target_probs=target,

@@ -491,6 +491,8 @@ BAD_AT_ANY_BATCH = [  # (keywords, error, argument named): issue 47 item 4
     (dict(backend="bogus"), ValueError, "backend"),
     (dict(temperature="[bs + 1, 1]"), ValueError, "temperature"),
     (dict(draft_probs="int"), TypeError, "draft_probs"),
+    # V = 0 through target_probs: named as given, not the op's target_logits (issue 47 item 6)
+    (dict(target_probs="[bs, N, 0]", target_logits=None), ValueError, "target_probs"),
 ]
 
 
@@ -503,9 +505,9 @@ def test_bad_input_raises_at_every_batch_size(batch, case):
     nodes, vocab = 3, 5
     given = {"probs": torch.full((batch, nodes, vocab), 0.2),
              "int": torch.ones(batch, nodes, vocab, dtype=torch.int64),
-             "[bs + 1, 1]": torch.ones(batch + 1, 1)}
-    keywords = {k: given[v] if k in ("draft_probs", "temperature") and isinstance(v, str)
-                else v for k, v in keywords.items()}
+             "[bs + 1, 1]": torch.ones(batch + 1, 1), "[bs, N, 0]": torch.zeros(batch, nodes, 0)}
+    keywords = {k: given[v] if k in ("draft_probs", "temperature", "target_probs")
+                and isinstance(v, str) else v for k, v in keywords.items()}
     next_token = torch.full((batch, nodes), -1)
     next_token[:, 0], next_token[:, 1] = 1, 2  # a chain 0 -> 1 -> 2
     outputs = _sglang_outputs(batch, nodes, 4)
@@ -516,7 +518,7 @@ def test_bad_input_raises_at_every_batch_size(batch, case):
             *outputs, candidates=torch.zeros(batch, nodes, dtype=torch.int64),
             retrive_index=torch.arange(batch * nodes).view(batch, nodes),
             retrive_next_token=next_token, retrive_next_sibling=torch.full((batch, nodes), -1),
-            target_logits=torch.zeros(batch, nodes, vocab), **keywords)
+            **{"target_logits": torch.zeros(batch, nodes, vocab), **keywords})
     assert all(torch.equal(a, b) for a, b in zip(outputs, before))
     assert torch.equal(torch.get_rng_state(), state)
 

@@ -336,6 +336,8 @@ def test_vllm_bad_input_names_the_argument():
             min_p=torch.full((5,), 1.5)))
     with pytest.raises(TypeError, match="logits"):
         vllm.rejection_sample(metadata, draft_probs, logits.long(), sampling)
+    with pytest.raises(ValueError, match=r"^logits: expected shape \[T\+B, V\] with V >= 1"):
+        vllm.rejection_sample(metadata, None, logits[:, :0], sampling)
 
 
 

@@ -154,6 +154,9 @@ def chain_speculative_sampling(
     _params.check_tensor(target_probs, "target_probs", ndim=3, device=device)
     _params.check_shape(target_probs, "target_probs", [batch, num_drafts + 1, vocab],
                         "[B, K+1, V] from draft_probs [B, K, V]")
+    if vocab < 1:  # else verify_chain would name target_logits, which the caller never passed
+        raise ValueError(f"target_probs, draft_probs: expected V >= 1 tokens (dim 2), got "
+                         f"shapes {list(target_probs.shape)} and {list(draft_probs.shape)}")
     check_counter(maybe_output_accepted_token_num, "maybe_output_accepted_token_num", batch, device)
     check_counter(maybe_output_emitted_draft_token_num, "maybe_output_emitted_draft_token_num",
                   batch, device)

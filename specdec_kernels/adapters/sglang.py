@@ -232,6 +232,9 @@ def tree_speculative_sampling_target_only(
         _params.check_tensor(target_probs, "target_probs", ndim=3, device=device)
         _params.check_shape(target_probs, "target_probs", [batch, nodes, None],
                             "[bs, N, V] like candidates")
+        if target_probs.shape[-1] < 1:  # else verify_tree would name target_logits
+            raise ValueError(f"target_probs: expected V >= 1 tokens (dim 2), got shape "
+                             f"{list(target_probs.shape)}")
         target_logits = logits_from_probs(target_probs, "target_probs")
         filters["temperature"] = 1.0
     else:

@@ -51,6 +51,8 @@ def parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask) 
     _params.check_tensor(logits, "logits", ndim=2, dtypes=_params.LOGIT_DTYPES)
     device = logits.device
     vocab = logits.shape[1]
+    if vocab < 1:
+        raise ValueError(f"logits: expected shape [T+B, V] with V >= 1, got {list(logits.shape)}")
     num_draft_tokens = host_counts(metadata.num_draft_tokens, "num_draft_tokens")
     batch = len(num_draft_tokens)
     num_packed = sum(num_draft_tokens)
