@@ -9,6 +9,7 @@ from .chain import ChainVerifyOutput, verify_chain, verify_chain_packed
 from .tree import TreeVerifyOutput, verify_tree
 from .tree_attention import TreeAttention, build_tree_attention
 from .kv_cache import compact_kv_cache, compact_paged_kv_cache
+from .vocab_parallel import VocabShard
 
 __all__ = [
     "processed_probs", "sample", "SampleOutput",
@@ -16,4 +17,5 @@ __all__ = [
     "TreeVerifyOutput", "verify_tree",
     "TreeAttention", "build_tree_attention",
     "compact_kv_cache", "compact_paged_kv_cache",
+    "VocabShard",
 ]

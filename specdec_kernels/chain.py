@@ -26,7 +26,8 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                  token_bitmask: Optional[torch.Tensor] = None,
                  return_logprobs: Optional[str] = None,
                  draft_slots: Optional[torch.Tensor] = None,
-                 draft_temperature: PerRequest = None) -> ChainVerifyOutput:
+                 draft_temperature: PerRequest = None,
+                 vocab_shard=None) -> ChainVerifyOutput:
     r"""Verify a batch of draft chains exactly (speculative sampling, Leviathan et al. / Chen et al.).
 
     For request ``b`` with ``n = num_draft_tokens[b]`` drafts: greedy requests
@@ -84,6 +85,10 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
             top-p, min-p or bitmask), instead of the target's parameters; 0 means the
             drafter took the row's arg-max (q one-hot there, lowest id among ties). Per
             request, float, finite and >= 0. Greedy requests ignore q, as always.
+        vocab_shard: a :class:`~specdec_kernels.VocabShard`: this rank's vocabulary slice of
+            a tensor-parallel group (the last dimension of every ``[.., V]`` tensor is the
+            slice; ids are global); every rank returns the unsharded op's outputs
+            (docs/vocab_parallel.md). None: the whole vocabulary (default).
 
     Returns:
         ChainVerifyOutput with
@@ -104,6 +109,15 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     >>> out.output_token_ids, out.logprobs  # token 0 is masked: row 1 emits 1 (tied with 2)
     (tensor([[ 1,  1, -1]], dtype=torch.int32), tensor([[-2.4673e-04, -9.0002e+00,         nan]]))
     """
+    if vocab_shard is not None:  # contract section 17
+        from . import vocab_parallel
+        return vocab_parallel.verify_chain(
+            target_logits, draft_token_ids, vocab_shard=vocab_shard, draft_probs=draft_probs,
+            draft_logits=draft_logits, num_draft_tokens=num_draft_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset,
+            method=method, backend=backend, validate=validate, min_p=min_p,
+            token_bitmask=token_bitmask, return_logprobs=return_logprobs,
+            draft_slots=draft_slots, draft_temperature=draft_temperature)
     batch, rows, vocab = _params.check_verify_logits(target_logits, "target_logits", "K+1")
     device = target_logits.device
     num_drafts = rows - 1  # K
@@ -147,7 +161,8 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
                         offset: PerRequest = None, method: str = "token",
                         return_logprobs: Optional[str] = None, backend: str = "auto",
                         validate: bool = True, draft_slots: Optional[torch.Tensor] = None,
-                        draft_temperature: PerRequest = None) -> ChainVerifyOutput:
+                        draft_temperature: PerRequest = None,
+                        vocab_shard=None) -> ChainVerifyOutput:
     r""":func:`verify_chain` on the packed (flattened) layout engines keep (vLLM's sampler).
 
     Request ``b`` has ``n_b = cu[b+1] - cu[b]`` drafts (``cu = cu_num_draft_tokens``, ``T =
@@ -177,6 +192,8 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
             ``[draft_slots[b], j, :vocab_size]`` (vLLM MRV2's ``idx_mapping`` layout).
             Shape ``(batch_size,)``; int32 or int64.
         draft_temperature: as in :func:`verify_chain` (with ``draft_logits`` only).
+        vocab_shard: as in :func:`verify_chain` (vLLM's ``[T+B, V/P]`` rows before the
+            tensor-parallel gather).
 
     Returns:
         ChainVerifyOutput as :func:`verify_chain`: ``output_token_ids`` Shape
@@ -192,6 +209,15 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
     (tensor([[ 1,  2, -1],
             [ 0, -1, -1]], dtype=torch.int32), tensor([1, 0], dtype=torch.int32))
     """
+    if vocab_shard is not None:  # contract section 17
+        from . import vocab_parallel
+        return vocab_parallel.verify_chain_packed(
+            target_logits, draft_token_ids, cu_num_draft_tokens,
+            max_draft_tokens=max_draft_tokens, vocab_shard=vocab_shard, draft_probs=draft_probs,
+            draft_logits=draft_logits, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, token_bitmask=token_bitmask, seed=seed, offset=offset, method=method,
+            return_logprobs=return_logprobs, backend=backend, validate=validate,
+            draft_slots=draft_slots, draft_temperature=draft_temperature)
     from ._rng import MAX_POSITION
     _params.check_tensor(target_logits, "target_logits", ndim=2, dtypes=_params.LOGIT_DTYPES)
     device = target_logits.device

@@ -75,7 +75,7 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
            top_p: PerRequest = None, seed: PerRequest = None, offset: PerRequest = None,
            backend: str = "auto", validate: bool = True, min_p: PerRequest = None,
            token_bitmask: Optional[torch.Tensor] = None,
-           return_logprobs: Optional[str] = None):
+           return_logprobs: Optional[str] = None, vocab_shard=None):
     r"""Draw one token per row from :func:`processed_probs` (exactly its law).
 
     The noise is the ``sample`` stream of the Philox scheme keyed by ``(seed, offset)``, so a
@@ -96,6 +96,8 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
             ceil(vocab_size / 32))``; int32.
         return_logprobs: None, ``"processed"`` (``log processed_probs`` of the token; 0.0 on
             greedy rows) or ``"raw"`` (the model's ``log_softmax(logits)`` of the token).
+        vocab_shard: as in :func:`~specdec_kernels.verify_chain`: ``logits`` is this rank's
+            ``[B, V/P]`` slice; every rank returns the same global ids.
 
     Returns:
         token_ids: Shape ``(batch_size,)``; dtype int32; ``-1`` for a row with no finite
@@ -109,6 +111,12 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
     ...           token_bitmask=torch.tensor([[0b101]], dtype=torch.int32), return_logprobs="raw")
     SampleOutput(token_ids=tensor([0], dtype=torch.int32), logprobs=tensor([-5.0134]))
     """
+    if vocab_shard is not None:  # contract section 17
+        from . import vocab_parallel
+        return vocab_parallel.sample(
+            logits, vocab_shard=vocab_shard, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, offset=offset, backend=backend, validate=validate, min_p=min_p,
+            token_bitmask=token_bitmask, return_logprobs=return_logprobs)
     _check_logits(logits, ndim=2)
     batch, vocab = logits.shape
     _params.check_token_bitmask(token_bitmask, [batch], vocab, logits.device,

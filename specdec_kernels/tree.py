@@ -19,7 +19,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
                 offset: PerRequest = None, method: str = "token", backend: str = "auto",
                 validate: bool = True, min_p: PerRequest = None,
                 token_bitmask: Optional[torch.Tensor] = None,
-                return_logprobs: Optional[str] = None) -> TreeVerifyOutput:
+                return_logprobs: Optional[str] = None,
+                vocab_shard=None) -> TreeVerifyOutput:
     r"""Verify a batch of draft trees exactly (multi-draft speculative sampling).
 
     From the root, at node ``u`` with processed target distribution ``p`` and children
@@ -68,6 +69,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
         seed, offset: per request, as in :func:`sample`; acceptance uniforms use the tested
             node's index, the correction/bonus noise the index of the node it is drawn from.
         method: ``"token"`` (default) or ``"traversal"``.
+        vocab_shard: reserved for vocabulary shards (contract section 17); not implemented
+            for trees yet: a ``VocabShard`` raises NotImplementedError.
         backend: ``"auto"`` (Triton for CUDA tensors, the C++ CPU path for CPU tensors where
             it covers the call, else the reference),
             ``"reference"`` or ``"triton"`` (CPU tensors need ``TRITON_INTERPRET=1``).
@@ -101,6 +104,10 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     ...                temperature=0.0, return_logprobs="processed").logprobs
     tensor([[0., 0., 0., nan]])
     """
+    if vocab_shard is not None:  # contract section 17
+        from . import vocab_parallel
+        return vocab_parallel.verify_tree(target_logits, tree_token_ids, parents,
+                                          vocab_shard=vocab_shard)
     batch, nodes, vocab = _params.check_verify_logits(target_logits, "target_logits", "N")
     device = target_logits.device
     for name, index in (("tree_token_ids", tree_token_ids), ("parents", parents)):

@@ -112,7 +112,7 @@ def verify_chain(target_logits, draft_token_ids, *, vocab_shard, draft_probs=Non
                  draft_slots=None, draft_temperature=None):
     """:func:`specdec_kernels.verify_chain` on this rank's vocabulary shard: the same
     outputs on every rank, those of the unsharded op on the concatenated rows."""
-    from ..chain import ChainVerifyOutput
+    from .._types import ChainVerifyOutput
     comm = _parse.open_comm(vocab_shard, target_logits)
     c = _parse.agree(comm, lambda: _parse_chain(
         vocab_shard, target_logits, draft_token_ids, draft_probs, draft_logits,
@@ -131,7 +131,7 @@ def verify_chain_packed(target_logits, draft_token_ids, cu_num_draft_tokens, *,
     """:func:`specdec_kernels.verify_chain_packed` on this rank's shard (vLLM's
     ``[T+B, V/P]`` rows, as its vocabulary-parallel head leaves them); the padded layout is
     built on the shard (a local copy of ``O(rows x W)``), then as :func:`verify_chain`."""
-    from ..chain import ChainVerifyOutput
+    from .._types import ChainVerifyOutput
     comm = _parse.open_comm(vocab_shard, target_logits)
 
     def parse():
@@ -334,7 +334,7 @@ def sample(logits, *, vocab_shard, temperature=None, top_k=None, top_p=None, see
            offset=None, backend="auto", validate=True, min_p=None, token_bitmask=None,
            return_logprobs=None):
     """:func:`specdec_kernels.sample` on this rank's vocabulary shard ``[B, W]``."""
-    from ..sampling import SampleOutput
+    from .._types import SampleOutput
     comm = _parse.open_comm(vocab_shard, logits)
 
     def parse():
@@ -379,3 +379,10 @@ def sample(logits, *, vocab_shard, temperature=None, top_k=None, top_p=None, see
         value = torch.where(params.temperature == 0, 0.0, torch.log(carried[0].to(p.dtype)))
     logprobs = torch.where(tokens >= 0, value, torch.nan).to(torch.float32)
     return SampleOutput(tokens, logprobs)
+
+
+def verify_tree(*args, vocab_shard=None, **kwargs):
+    """Not implemented yet on vocabulary shards (docs/vocab_parallel.md: what is left)."""
+    raise NotImplementedError("vocab_shard: verify_tree on vocabulary shards is not "
+                              "implemented yet (verify_chain, verify_chain_packed and sample "
+                              "are); pass vocab_shard=None with the gathered rows")
