@@ -3,7 +3,7 @@
 The engines' kernel tests build their inputs with ``torch.rand(..., device="cuda:0")`` and
 the like; that literal is the only thing that stops them here. ``install()`` wraps torch's
 tensor factories and ``Tensor.to``/``Tensor.cuda`` so that a CUDA device argument becomes
-``"cpu"`` (nothing else changes: shapes, dtypes, values and the test's assertions are the
+``"cpu"`` and ``pin_memory=True`` becomes False (nothing else changes: shapes, dtypes, values and the test's assertions are the
 engine's). It does nothing when CUDA is available.
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ def _is_cuda(device) -> bool:
 def _to_cpu(kwargs: dict) -> dict:
     if _is_cuda(kwargs.get("device")):
         kwargs = dict(kwargs, device="cpu")
+    if kwargs.get("pin_memory"):  # pinning needs a CUDA driver; the copy is on the CPU anyway
+        kwargs = dict(kwargs, pin_memory=False)
     return kwargs
 
 
@@ -50,5 +52,6 @@ def install() -> bool:
         return original_to(self, *args, **_to_cpu(kwargs))
     torch.Tensor.to = to
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     torch._engine_tests_cpu_shim = True
     return True

@@ -6,6 +6,8 @@
   sk_vllm; sk_vllm.RejectionSampler``.
 * :mod:`.mrv2_0_33` -- vLLM 0.33.0's MRV2 ``rejection_sample`` and ``RejectionSampler`` (also
   importable as ``specdec_kernels.adapters.vllm_mrv2``).
+* :mod:`.mrv2_0_34` -- vLLM 0.34.0's MRV2 ``rejection_sample`` (its ``DraftLogitsCache``) and
+  ``RejectionSampler``; ``mrv2_0_34.swap()`` is its swap line.
 
 What the V1 step's modules share, each in one place: :mod:`._types` (vLLM's types mirrored by
 field name), :mod:`._layout` (parsing the layout, the metadata and the sampling parameters:
@@ -16,7 +18,7 @@ No module imports vLLM at import time.
 """
 from __future__ import annotations
 
-from . import mrv2_0_33, v1_0_33
+from . import mrv2_0_33, mrv2_0_34, v1_0_33
 from ._history import row_history
 from ._logprobs import PROCESSED_LOGPROBS_MODES, gather_logprobs
 from ._types import (MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID, LogprobsLists, LogprobsTensors,

@@ -1,0 +1,74 @@
+"""pytest plugin (``-p engine_tests.vllm.swap_0_34``) for vLLM 0.34.0's own MRV2 tests.
+
+1. docs/engines.md's swap line, before vLLM's test modules import anything:
+   ``mrv2_0_34.swap()`` (vLLM's ``RejectionSampler`` and ``rejection_sample`` become ours).
+2. Without CUDA: engine_tests/device_shim.py maps the tests' ``device="cuda"`` to the CPU, and
+   while the test modules are imported (collection only) ``torch.cuda.is_available()`` and
+   vLLM's ``current_platform.is_cuda*()`` answer True, which lifts their module-level skip and
+   their ``skipif(not current_platform.is_cuda())`` marks. Restored before any test runs.
+   A UVA view of a host tensor (vLLM's ``get_accelerator_view_from_cpu_tensor``) is the
+   tensor itself, and ``torch.cpu.get_rng_state`` is the CPU generator's.
+3. A per-test time limit (``ENGINE_TEST_TIMEOUT`` seconds, default 300; SIGALRM, so a test
+   stuck in one long C call is stopped when it returns) and, in run.py, a memory cap
+   (``ulimit -v``): a test sized for a GPU fails with the limit named instead of taking the
+   machine down.
+vLLM's files stay as the sdist ships them.
+"""
+import os
+import signal
+
+import pytest
+import torch
+
+from engine_tests import device_shim
+from specdec_kernels.adapters.vllm import mrv2_0_34
+
+mrv2_0_34.swap()  # docs/engines.md
+
+CPU_SHIM = device_shim.install()
+_restore = []
+if CPU_SHIM:
+    from vllm.platforms import current_platform
+
+    _restore.append((torch.cuda, "is_available", torch.cuda.is_available))
+    torch.cuda.is_available = lambda: True
+    for name in ("is_cuda", "is_cuda_alike"):
+        _restore.append((current_platform, name, getattr(current_platform, name)))
+        setattr(current_platform, name, lambda: True)
+    # The CPU's own answers where a test asks for the accelerator's: a UVA view of a host
+    # tensor is that tensor, and the "device" RNG state is the CPU generator's.
+    import vllm.v1.worker.gpu.buffer_utils as buffer_utils
+    buffer_utils.get_accelerator_view_from_cpu_tensor = lambda cpu_tensor: cpu_tensor
+    if not hasattr(torch.cpu, "get_rng_state"):
+        torch.cpu.get_rng_state = torch.get_rng_state
+
+
+def pytest_collection_finish(session):
+    while _restore:
+        owner, name, original = _restore.pop()
+        setattr(owner, name, original)
+
+
+class TestTimeLimit(Exception):
+    """A test ran past ENGINE_TEST_TIMEOUT (this machine's limit, not a failure of ours)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    limit = int(os.environ.get("ENGINE_TEST_TIMEOUT", "300"))
+
+    def stop(signum, frame):
+        raise TestTimeLimit(f"ran past the per-test limit of {limit} s on this machine")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def pytest_report_header(config):
+    return [f"vLLM 0.34.0 MRV2: RejectionSampler / rejection_sample -> "
+            f"specdec_kernels.adapters.vllm.mrv2_0_34; device shim "
+            f"{'on (no CUDA): cuda -> cpu, module-level CUDA skips lifted' if CPU_SHIM else 'off'}"]
