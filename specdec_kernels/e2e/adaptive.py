@@ -44,8 +44,14 @@ class AdaptiveLength:
                  probe_length: int = 4, row_exponent: float = 0.4,
                  draft_cost_per_level: bool = True, prior: Optional[float] = None,
                  calibrate: bool = False, contexts: bool = True, interpolate: bool = True,
-                 shared_probes: bool = True):
+                 shared_probes: bool = True, load_aware: bool = False):
         self.max_len, self.decay, self.probe_every = max_len, decay, probe_every
+        # A serving loop's batch changes every step (rows join and leave): the prior follows
+        # the live batch, the step costs (keyed by rows, the batch's included) are kept
+        # whatever the batch, and past the largest measured row count a step's cost grows
+        # in proportion to its rows (a conservative guess: compute-bound), so that drafting
+        # fades as the load rises.
+        self.load_aware = load_aware
         self.probe_length = probe_length  # a probe drafts this many (when the drafter has
         # them): one that accepts teaches the rates of the later positions too
         # Acceptance at position 1 before anything was checked: 1/2 for one request, less
@@ -78,18 +84,36 @@ class AdaptiveLength:
         """A new batch of requests: their own state starts afresh, while what was learnt of
         the drafter's contexts and the step costs is kept (a policy that lives across
         calls, as a server's would; the costs only while the batch size stays)."""
-        self.prior = (0.5 / (1 + math.log2(batch) / 2) if self.fixed_prior is None
-                      else self.fixed_prior)
+        self.prior = self.batch_prior(batch)
         self.successes = [[0.0] * self.max_len for _ in range(batch)]  # [request][position]
         self.trials = [[0.0] * self.max_len for _ in range(batch)]
         self.context = [None] * batch  # of each request's last choice
         self.idle = [0] * batch
         self.gap = [self.probe_every] * batch
         self.probing = [False] * batch
-        if batch != self.batch:
+        if batch != self.batch and not self.load_aware:
             self.samples, self._fit = [], None
             self.step_seconds, self.step_count = {}, {}
         self.batch = batch
+
+    def batch_prior(self, batch: int) -> float:
+        """Acceptance at position 1 before anything was checked, for a batch of ``batch``."""
+        if self.fixed_prior is not None:
+            return self.fixed_prior
+        return 0.5 / (1 + math.log2(max(batch, 1)) / 2)
+
+    def add(self, count: int) -> None:
+        """``count`` requests join the batch (a serving loop): fresh per-request state after
+        the live rows; what was learnt of contexts and costs is kept."""
+        if not isinstance(count, int) or count < 0:
+            raise ValueError(f"count: expected an int >= 0, got {count!r}")
+        self.successes += [[0.0] * self.max_len for _ in range(count)]
+        self.trials += [[0.0] * self.max_len for _ in range(count)]
+        self.context += [None] * count
+        self.idle += [0] * count
+        self.gap += [self.probe_every] * count
+        self.probing += [False] * count
+        self.batch = len(self.successes)
 
     def batch_rates(self) -> list[float]:
         """The whole batch's rate at each position (position 1's prior ``prior``, position
@@ -135,6 +159,10 @@ class AdaptiveLength:
             return self.step_seconds[rows]
         if not self.samples:
             return float(rows) ** self.row_exponent
+        if self.load_aware:
+            top = max(self.step_seconds)
+            if rows > top:
+                return self.step_seconds[top] * rows / top
         if self.interpolate:  # between the nearest measured row counts on either side
             below = max((r for r in self.step_seconds if r < rows), default=None)
             above = min((r for r in self.step_seconds if r > rows), default=None)
@@ -152,6 +180,8 @@ class AdaptiveLength:
         the most tokens request ``b`` may still emit (None: no bound): it drafts at most
         ``remaining[b] - 1``, the most it could emit with the token verification adds."""
         batch = len(available)
+        if self.load_aware:
+            self.prior = self.batch_prior(batch)
         self.context = list(contexts) if contexts is not None else [None] * batch
         if self.calibrate and not self.samples:  # first a plain step: the unit
             return [0] * batch
@@ -252,6 +282,8 @@ class AdaptiveLength:
         for name in ("successes", "trials", "idle", "gap", "probing", "context"):
             values = getattr(self, name)
             setattr(self, name, [values[r] for r in rows])
+        if self.load_aware:
+            self.batch = len(rows)
 
 
 def match_context(match_length: int) -> int:

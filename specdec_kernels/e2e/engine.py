@@ -58,18 +58,9 @@ def _generate(target, requests, sampling, speculation, draft_model, eos_token_id
     device = next(target.parameters()).device
     spec = speculation
     check_run(requests, sampling, spec, target.get_input_embeddings().num_embeddings)
-    if spec.adaptive and (spec.tree or spec.trie):
-        raise ValueError(f"num_draft_tokens: 'adaptive' is for chains; got a tree "
-                         f"(tree={spec.tree}, trie_nodes={spec.trie_nodes})")
-    if spec.trie_nodes and (spec.drafter != "ngram" or spec.tree):
-        raise ValueError(f"trie_nodes: an n-gram trie needs drafter='ngram' and no tree, got "
-                         f"drafter={spec.drafter!r}, tree={spec.tree}")
-    if spec.drafter != "none" and spec.method not in methods_for(spec):
-        raise ValueError(f"speculation.method: expected one of {methods_for(spec)} for this "
-                         f"speculation, got {spec.method!r}")
+    check_speculation(spec)
     batch = len(requests)
-    max_nodes = _max_nodes(spec)
-    capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + max_nodes + 2
+    capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + max_nodes(spec) + 2
     stats = Stats()
     profile = stats.profile
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -119,7 +110,7 @@ def _generate(target, requests, sampling, speculation, draft_model, eos_token_id
             offsets = torch.tensor([steps[i] for i in live], dtype=torch.long, device=device)
         clock.lap("python")
         remaining = [requests[i].max_new_tokens - len(generated[i]) for i in live]
-        plan = _plan(spec, drafter, adaptive, history, live, remaining, pending, kv_lens,
+        plan = plan_step(spec, drafter, adaptive, history, live, remaining, pending, kv_lens,
                      step_seeds, offsets, clock)
         if plan is None and drafter is not None and hasattr(drafter, "skip"):
             drafter.skip(pending)
@@ -248,7 +239,22 @@ def warm_up(target, requests: Sequence[Request], *, draft_model=None,
     return time.perf_counter() - start
 
 
-def _max_nodes(spec: Speculation) -> int:
+def check_speculation(spec: Speculation) -> None:
+    """What :func:`~.config.check_run` cannot see: the combinations a loop does not take
+    (adaptive trees, a trie without the n-gram drafter) and a method the installed op lacks."""
+    if spec.adaptive and (spec.tree or spec.trie):
+        raise ValueError(f"num_draft_tokens: 'adaptive' is for chains; got a tree "
+                         f"(tree={spec.tree}, trie_nodes={spec.trie_nodes})")
+    if spec.trie_nodes and (spec.drafter != "ngram" or spec.tree):
+        raise ValueError(f"trie_nodes: an n-gram trie needs drafter='ngram' and no tree, got "
+                         f"drafter={spec.drafter!r}, tree={spec.tree}")
+    if spec.drafter != "none" and spec.method not in methods_for(spec):
+        raise ValueError(f"speculation.method: expected one of {methods_for(spec)} for this "
+                         f"speculation, got {spec.method!r}")
+
+
+def max_nodes(spec: Speculation) -> int:
+    """The most nodes a step feeds per request (the pending token and its drafts)."""
     if spec.drafter == "none":
         return 1
     if spec.tree:
@@ -259,8 +265,9 @@ def _max_nodes(spec: Speculation) -> int:
     return k + 1
 
 
-def _plan(spec, drafter, adaptive, history, live, remaining, pending, kv_lens, seeds,
-          offsets, clock: PhaseClock) -> Optional[DraftPlan]:
+def plan_step(spec, drafter, adaptive, history, live, remaining, pending, kv_lens, seeds,
+              offsets, clock: PhaseClock) -> Optional[DraftPlan]:
+    """This step's drafts for the rows ``live`` (indices into ``history``), or None (plain)."""
     if drafter is None:
         return None
     if spec.tree:
