@@ -103,15 +103,24 @@ e2e: build
 
 # The engines' own unit tests of the kernels the adapters replace, fetched at run time from
 # the package index (never committed) and run unmodified against the adapters through the
-# swap lines of docs/engines.md. Not part of `make test` (they download). Venvs and downloads
-# under build/engine-tests/<engine>; FLASHINFER_TESTS / SGL_KERNEL_TESTS point at a source
-# checkout's tests where the released artifacts ship none.
-engine-tests: engine-tests-vllm engine-tests-flashinfer engine-tests-sglang
+# swap lines of docs/engines.md. Not part of `make test` (they download). Each engine's newest
+# release by default; VLLM_VERSIONS="0.33.0 0.34.0" pins vLLM's. Venvs and downloads under
+# build/engine-tests/; FLASHINFER_TESTS / SGL_KERNEL_TESTS point at a source checkout's tests
+# where the released artifacts ship none. Prints one table (engine, version, file,
+# passed/total, seconds); every engine runs even when one fails, the status is the worst.
+engine-tests: build
+	@$(PY) engine_tests/table.py --reset
+	@status=0; \
+	$(PY) engine_tests/vllm/run.py || status=1; \
+	$(PY) engine_tests/flashinfer/run.py || status=1; \
+	$(PY) engine_tests/sglang/run.py || status=1; \
+	$(PY) engine_tests/table.py; exit $$status
 
-# vLLM 0.33.0's tests/v1/sample/test_rejection_sampler.py with our RejectionSampler swapped
-# in by docs/engines.md's line (TRITON_INTERPRET=1, VLLM_TARGET_DEVICE=cpu, no CUDA device).
+# vLLM's own tests with our adapters swapped in (engine_tests/vllm/run.py: TRITON_INTERPRET=1,
+# VLLM_TARGET_DEVICE=cpu and no CUDA device without a GPU, a memory cap and time limits).
 engine-tests-vllm: build
-	PYTHON=$(abspath $(PY)) engine_tests/vllm/run.sh
+	@$(PY) engine_tests/table.py --reset
+	@status=0; $(PY) engine_tests/vllm/run.py || status=1; $(PY) engine_tests/table.py; exit $$status
 
 engine-tests-flashinfer: build
 	$(PY) engine_tests/flashinfer/run.py

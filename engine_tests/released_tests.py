@@ -32,7 +32,10 @@ import sysconfig
 import tarfile
 import zipfile
 
+from engine_tests import table
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+_VERSION: dict = {}  # engine -> the released versions searched (the table's column)
 
 
 def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
@@ -128,8 +131,10 @@ def run_tests(engine: str, home: pathlib.Path, tests: dict, pytest_args: list,
         (where / name).write_text(text)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    junit = home / "report.xml"
+    junit.unlink(missing_ok=True)
     cmd = [home / "venv" / "bin" / "python", "-m", "pytest", "-p", "no:cacheprovider",
-           "-rA", "-q", *sorted(tests), *pytest_args]
+           "-rA", "-q", f"--junitxml={junit}", *sorted(tests), *pytest_args]
     print("+", " ".join(str(c) for c in cmd), flush=True)
     result = subprocess.run(cmd, cwd=where, env=env, text=True, capture_output=True)
     print(result.stdout[-20000:], result.stderr[-4000:], sep="\n")
@@ -138,6 +143,12 @@ def run_tests(engine: str, home: pathlib.Path, tests: dict, pytest_args: list,
     log.append(f"ran {', '.join(sorted(tests))} with pytest {' '.join(pytest_args)}:")
     log.extend("  " + line for line in summary)
     log.append("  " + (result.stdout.strip().splitlines() or ["(no output)"])[-1])
+    if junit.exists():
+        for name, (passed, total, seconds) in sorted(table.junit_by_file(junit).items()):
+            table.add_row(engine, _VERSION.get(engine, "?"), name, passed, total, seconds)
+    else:
+        table.add_row(engine, _VERSION.get(engine, "?"), ", ".join(sorted(tests)), 0, 0, 0,
+                      "no report")
     return result.returncode
 
 
@@ -159,7 +170,10 @@ def main(engine: str, requirements: list, kernels: list, env_var: str,
         sources += [pathlib.Path(p) for p in extra.split(os.pathsep) if p]
     tests = find_tests(sources, kernels, log)
     log += notes
+    _VERSION[engine] = " ".join(r.split("==")[-1] for r in requirements)
     if not tests:
+        table.add_row(engine, _VERSION[engine], "-", 0, 0, 0,
+                      f"NOT RUN: no released test of {' / '.join(kernels)} ({env_var})")
         log.append(f"NOT RUN: no released artifact above ships a test of {' / '.join(kernels)}; "
                    f"point {env_var} at a source checkout's tests to run them")
         report(home, log)

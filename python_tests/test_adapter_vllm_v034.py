@@ -179,6 +179,20 @@ def test_placeholders_end_verification(method, cached):
     assert sampled[:, :2].eq(5).all() and sampled[:, 2:].eq(-1).all()
 
 
+@pytest.mark.parametrize("fill", [float("nan"), float("-inf")])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_without_mass_emits_token_0_as_vllm(fill, temperature):
+    """vLLM never emits -1 as a token: where our kernels emit -1 (no finite logit), the
+    adapter writes vLLM's token 0 (its argmax over all -inf); other slots keep -1 padding."""
+    inputs = _problem(num_drafts=(1, 2), temperature=(temperature, temperature),
+                      max_num_reqs=2, shuffle=False)
+    inputs["target_logits"][:] = fill
+    sampled, num_sampled = mrv2.rejection_sample(**inputs)
+    emitted = torch.arange(3) < num_sampled[:, None]
+    assert (num_sampled >= 1).all()
+    assert sampled[emitted].eq(0).all() and sampled[~emitted].eq(-1).all()
+
+
 def test_one_hot_drafts_without_a_cache():
     inputs = _problem()
     inputs["draft_logits_cache"] = None

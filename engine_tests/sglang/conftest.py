@@ -22,7 +22,7 @@ CPU_SHIM = device_shim.install()
 sgl_kernel = types.ModuleType("sgl_kernel")
 sgl_kernel.tree_speculative_sampling_target_only = adapter.tree_speculative_sampling_target_only
 sgl_kernel.verify_tree_greedy = adapter.verify_tree_greedy
-sgl_kernel.__version__ = "0.3.21 (specdec_kernels adapter)"
+sgl_kernel.__version__ = "0.4.10 (specdec_kernels adapter)"  # sglang-kernel, import name sgl_kernel
 sys.modules["sgl_kernel"] = sgl_kernel
 
 

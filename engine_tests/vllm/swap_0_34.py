@@ -7,7 +7,9 @@
    vLLM's ``current_platform.is_cuda*()`` answer True, which lifts their module-level skip and
    their ``skipif(not current_platform.is_cuda())`` marks. Restored before any test runs.
    A UVA view of a host tensor (vLLM's ``get_accelerator_view_from_cpu_tensor``) is the
-   tensor itself, and ``torch.cpu.get_rng_state`` is the CPU generator's.
+   tensor itself, and ``torch.cpu.get_rng_state`` is the CPU generator's. Under
+   ``TRITON_INTERPRET=1`` vLLM's ``tldevice.log1p`` (libdevice, which the interpreter lacks) is
+   ``tl.log(1 + x)`` (a series near 0), for vLLM's own kernels that the delegated modes run.
 3. A per-test time limit (``ENGINE_TEST_TIMEOUT`` seconds, default 300; SIGALRM, so a test
    stuck in one long C call is stopped when it returns) and, in run.py, a memory cap
    (``ulimit -v``): a test sized for a GPU fails with the limit named instead of taking the
@@ -22,6 +24,24 @@ import torch
 
 from engine_tests import device_shim
 from specdec_kernels.adapters.vllm import mrv2_0_34
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Triton's interpreter has no libdevice (an extern call returns None): vLLM's own kernels
+    # (the delegated modes, its Gumbel sampler) get log1p in triton.language's terms.
+    import types
+
+    import triton.language as tl
+    import vllm.triton_utils
+
+    def _log1p(x):
+        small = tl.abs(x) < 1e-4
+        return tl.where(small, x - x * x / 2 + x * x * x / 3, tl.log(1.0 + x))
+    vllm.triton_utils.tldevice = types.SimpleNamespace(log1p=_log1p)
+    for _name in ("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils",
+                  "vllm.v1.worker.gpu.sample.gumbel", "vllm.v1.worker.gpu.sample.watermark"):
+        _module = __import__(_name, fromlist=["_"])
+        if hasattr(_module, "tldevice"):
+            _module.tldevice = vllm.triton_utils.tldevice
 
 mrv2_0_34.swap()  # docs/engines.md
 

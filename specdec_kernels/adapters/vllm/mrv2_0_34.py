@@ -15,7 +15,8 @@ the drafter's rows come in a ``DraftLogitsCache``, ``skip_masked_vocab_blocks`` 
   ``row = row_mapping[idx_mapping[i]]`` (sharded: only this rank's requests). ``temperature``
   / ``seed`` ``[max_num_reqs]`` (0 = greedy). Returns ``(sampled [num_reqs, K+1] int64,
   num_sampled [num_reqs] int32)``: the accepted drafts, the correction or bonus token, then
-  ``-1`` (vLLM leaves those slots unwritten). A smaller draft vocabulary ``V' < V`` (a padded
+  ``-1`` (vLLM leaves those slots unwritten). A row with no finite logit (all ``-inf`` or NaN)
+  emits token 0 there, what vLLM's kernels write (it never emits ``-1`` as a token). A smaller draft vocabulary ``V' < V`` (a padded
   target head) verifies over the first ``V'`` tokens, as vLLM does.
   Law: the target's ``softmax(target_logits)``, the drafter's ``softmax(values / temperature)``.
   ``use_block_verification=True`` is our block verification (a placeholder ends the block).
@@ -176,7 +177,11 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits_cache,
         seed=seed.to(torch.int64)[slots], offset=first_pos,
         method="block" if use_block_verification else "token", backend=backend,
         validate=False)
-    return out.output_token_ids.to(torch.int64), out.num_accepted + 1
+    sampled, num_sampled = out.output_token_ids.to(torch.int64), out.num_accepted + 1
+    # vLLM never emits -1 as a token: a row with no finite logit (ours: -1, contract section
+    # 7) gets what vLLM's kernels write there, token 0 (its argmax over all -inf).
+    emitted = torch.arange(sampled.shape[1], device=device) < num_sampled[:, None]
+    return torch.where(emitted & (sampled < 0), 0, sampled), num_sampled
 
 
 def _cache_parts(cache, device, num_steps: int):
