@@ -346,3 +346,29 @@ def test_real_model_greedy_identity_with_requests_joining(real):
     while server.busy:
         server.step()
     assert server.completions[0].tokens == alone[0]
+
+
+def test_serving_bench_tables_ratios_and_plot(tmp_path):
+    """bench.serving's reductions on made-up rows: ratios to plain under the same load, the
+    rate where speculation stops paying, and the files it writes."""
+    from bench import serving as B
+    rows = []
+    for rate, plain, spec in ((0.5, 10.0, 15.0), (1.0, 18.0, 20.0), (2.0, 30.0, 27.0)):
+        for config, tps in (("plain", plain), ("adaptive", spec)):
+            rows.append({"load": f"poisson {rate:g}", "rate": rate, "clients": None,
+                         "config": config, "tokens_per_s": tps, "tpot_p50_ms": 1e3 / tps,
+                         "tpot_p99_ms": 2e3 / tps, "ttft_p50_ms": 50.0, "ttft_p99_ms": 90.0,
+                         "mean_batch": rate * 4, "accepted_per_step": 1.0,
+                         "speculative_share": 0.5, "completed": 3, "requests": 3,
+                         "profile_s": {}})
+    B.ratios(rows)
+    assert [r["throughput_vs_plain"] for r in rows[1::2]] == [1.5, 1.111, 0.9]
+    assert B.stops_paying(rows) == {"adaptive": 2.0}
+    assert B.percentile([3.0, 1.0, float("nan"), 2.0], 50) == 2.0
+    assert B.percentile([], 99) is None
+    meta = {"device_name": "cpu", "cpu": {"model": "x"}, "git_commit": "abc", "timestamp": "t",
+            "threads": 1, "loadavg_start": [0.0], "loadavg_end": [0.0], "note": ""}
+    B.write(tmp_path, {"meta": meta, "rows": rows, "stops_paying_at": B.stops_paying(rows)})
+    for name in ("serving.json", "serving.csv", "serving_summary.md", "serving.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "stops paying" in (tmp_path / "serving_summary.md").read_text()

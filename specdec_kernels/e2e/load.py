@@ -125,3 +125,18 @@ def as_load(load):
         return ArrivalList(load)
     raise TypeError(f"load: expected a sequence of Arrival or a load (due, next_at, finished), "
                     f"got {type(load).__name__}")
+
+
+def mixed_pool(tokenizer, tasks: Sequence[str] = ("copy", "rare_terms", "long"), *,
+               max_new_tokens: Optional[dict] = None, sampling: Sampling = Sampling(),
+               count: Optional[int] = None) -> list[Arrival]:
+    """The request sets of :mod:`.tasks` as one pool (each entry tagged with its task):
+    ``max_new_tokens``: a budget per task (default the set's own), ``count``: the first
+    prompts of each set."""
+    from .tasks import task_requests
+    budgets = max_new_tokens or {}
+    pool = []
+    for task in tasks:
+        for request in task_requests(tokenizer, task, count, max_new_tokens=budgets.get(task)):
+            pool.append(Arrival(request, sampling, tag=task))
+    return pool
