@@ -69,8 +69,8 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
         seed, offset: per request, as in :func:`sample`; acceptance uniforms use the tested
             node's index, the correction/bonus noise the index of the node it is drawn from.
         method: ``"token"`` (default) or ``"traversal"``.
-        vocab_shard: reserved for vocabulary shards (contract section 17); not implemented
-            for trees yet: a ``VocabShard`` raises NotImplementedError.
+        vocab_shard: as in :func:`~specdec_kernels.verify_chain`: this rank's vocabulary
+            slice (every drafting mode and method; docs/vocab_parallel.md).
         backend: ``"auto"`` (Triton for CUDA tensors, the C++ CPU path for CPU tensors where
             it covers the call, else the reference),
             ``"reference"`` or ``"triton"`` (CPU tensors need ``TRITON_INTERPRET=1``).
@@ -106,8 +106,12 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     """
     if vocab_shard is not None:  # contract section 17
         from . import vocab_parallel
-        return vocab_parallel.verify_tree(target_logits, tree_token_ids, parents,
-                                          vocab_shard=vocab_shard)
+        return vocab_parallel.verify_tree(
+            target_logits, tree_token_ids, parents, vocab_shard=vocab_shard,
+            draft_probs=draft_probs, draft_sampling=draft_sampling, num_nodes=num_nodes,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset,
+            method=method, backend=backend, validate=validate, min_p=min_p,
+            token_bitmask=token_bitmask, return_logprobs=return_logprobs)
     batch, nodes, vocab = _params.check_verify_logits(target_logits, "target_logits", "N")
     device = target_logits.device
     for name, index in (("tree_token_ids", tree_token_ids), ("parents", parents)):

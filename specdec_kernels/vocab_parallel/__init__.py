@@ -9,7 +9,8 @@ Layering: above ``reference`` and ``_params`` (it reuses the reference's definit
 the public ops (``chain``, ``sampling``), which import it lazily.
 """
 from ._comm import CollectiveStats, VocabShard, count_collectives
-from .chain import sample, verify_chain, verify_chain_packed, verify_tree
+from .chain import sample, verify_chain, verify_chain_packed
+from .tree import verify_tree
 
 __all__ = ["VocabShard", "count_collectives", "CollectiveStats", "sample", "verify_chain",
            "verify_chain_packed", "verify_tree"]

@@ -15,7 +15,7 @@ from ._comm import Comm, VocabShard, digest
 
 DTYPES = _params.LOGIT_DTYPES + (torch.float64,)  # float64: the exactness tests' rows
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
-OPS = {"verify_chain": 1, "verify_chain_packed": 2, "sample": 3}
+OPS = {"verify_chain": 1, "verify_chain_packed": 2, "sample": 3, "verify_tree": 4}
 METHODS = ("token", "block")
 LOGPROBS = (None, "processed", "raw")
 

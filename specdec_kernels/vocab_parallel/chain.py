@@ -380,9 +380,3 @@ def sample(logits, *, vocab_shard, temperature=None, top_k=None, top_p=None, see
     logprobs = torch.where(tokens >= 0, value, torch.nan).to(torch.float32)
     return SampleOutput(tokens, logprobs)
 
-
-def verify_tree(*args, vocab_shard=None, **kwargs):
-    """Not implemented yet on vocabulary shards (docs/vocab_parallel.md: what is left)."""
-    raise NotImplementedError("vocab_shard: verify_tree on vocabulary shards is not "
-                              "implemented yet (verify_chain, verify_chain_packed and sample "
-                              "are); pass vocab_shard=None with the gathered rows")
