@@ -87,7 +87,7 @@ def test_signature_is_vllm_0_34s():
     params = list(inspect.signature(mrv2.rejection_sample).parameters.values())
     ours = [(p.name, p.default) for p in params if p.kind != p.KEYWORD_ONLY]
     assert ours == VLLM_0_34_PARAMETERS
-    assert [p.name for p in params if p.kind == p.KEYWORD_ONLY] == ["backend"]
+    assert [p.name for p in params if p.kind == p.KEYWORD_ONLY] == ["backend", "validate"]
 
 
 def test_import_does_not_import_vllm():
@@ -269,11 +269,28 @@ def test_chunks_equal_the_full_batch():
     (dict(num_speculative_steps=True), "num_speculative_steps", TypeError),
     (dict(use_fp64="yes"), "use_fp64", TypeError),
     (dict(skip_masked_vocab_blocks=1), "skip_masked_vocab_blocks", TypeError),
+    (dict(idx_mapping=torch.tensor([0, 1, 2, 6], dtype=torch.int32)), "idx_mapping", ValueError),
+    (dict(cu_num_logits=torch.tensor([0, 4, 5, 8, 9], dtype=torch.int32)), "cu_num_logits",
+     ValueError),
+    (dict(draft_logits_cache=SimpleNamespace(values=torch.zeros(2, 3, 11), row_mapping=torch.tensor(
+        [0, 1, 2, 0, 1, 2], dtype=torch.int32))), "draft_logits_cache.row_mapping", ValueError),
+    (dict(target_logits=torch.zeros(3, 11), draft_sampled=torch.zeros(3, dtype=torch.int64),
+          pos=torch.arange(3), expanded_idx_mapping=torch.zeros(3, dtype=torch.int64),
+          expanded_local_pos=torch.zeros(3, dtype=torch.int64)), "target_logits", ValueError),
+    (dict(validate="yes"), "validate", TypeError),
 ])
 def test_bad_input_names_the_argument(change, name, error):
     inputs = _problem()
     with pytest.raises(error, match=name.replace(".", r"\.")):
         mrv2.rejection_sample(**dict(inputs, **change))
+
+
+def test_unvalidated_slots_are_clamped_never_read_out_of_bounds():
+    inputs = _problem()
+    sampled, num_sampled = mrv2.rejection_sample(
+        **dict(inputs, idx_mapping=torch.tensor([0, 1, 2, 60], dtype=torch.int32)),
+        validate=False)
+    assert ((sampled >= -1) & (sampled < 11)).all() and (num_sampled >= 1).all()
 
 
 @pytest.mark.parametrize("mode, name", [

@@ -52,7 +52,9 @@ import torch
 
 from ... import _params
 from ...chain import verify_chain_packed
+from .._common import value_checks_wanted
 from . import _delegate
+from .mrv2_0_33 import _check_indices
 
 __all__ = ["rejection_sample", "RejectionSampler", "swap", "VLLM_VERSION"]
 
@@ -78,8 +80,17 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits_cache,
                      watermarking_skip_mask: Optional[torch.Tensor] = None,
                      watermark_key: Optional[int] = None, fly_window_size: int = 0,
                      fly_entropy_threshold: float = 0.3, fly_entropy_top_k: int = 3,
-                     skip_masked_vocab_blocks: bool = False, *, backend: str = "auto"):
+                     skip_masked_vocab_blocks: bool = False, *, backend: str = "auto",
+                     validate: Optional[bool] = None):
     """vLLM 0.34.0 MRV2's ``rejection_sample`` by our exact kernels (module docstring).
+
+    ``validate`` (ours), as :func:`.mrv2_0_33.rejection_sample`'s: None (default) runs the
+    checks that read index values where they cost no synchronisation (CPU tensors, eager);
+    True/False force them: ``idx_mapping`` in range of ``temperature``, ``seed`` and the
+    cache's slots (``row_mapping``'s, or ``values``' rows when replicated), a sharded
+    request's row in ``[-1, rows)``, ``cu_num_logits`` from 0 to the logits rows with ``1 ..
+    num_speculative_steps + 1`` rows per request. Skipped, an index past the end is clamped
+    (never read out of bounds; that request's tokens are garbage, not an error).
 
     >>> import torch
     >>> from specdec_kernels.adapters.vllm import mrv2_0_34
@@ -140,7 +151,21 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits_cache,
         if tensor.shape[0] != num_logits:
             raise ValueError(f"{name}: expected {num_logits} entries (one per logits row), "
                              f"got {tensor.shape[0]}")
+    if num_logits < num_reqs:
+        raise ValueError(f"target_logits, cu_num_logits: expected at least one logits row per "
+                         f"request (its bonus row), {num_reqs} requests, got {num_logits} rows")
     values, row_mapping = _cache_parts(draft_logits_cache, device, num_speculative_steps)
+    slot_sizes = {"temperature": temperature.shape[0], "seed": seed.shape[0]}
+    if values is not None:
+        slot_sizes["draft_logits_cache"] = values.shape[0] if row_mapping is None else \
+            row_mapping.shape[0]
+    if num_reqs and min(slot_sizes.values()) < 1:
+        raise ValueError(f"{', '.join(slot_sizes)}: expected max_num_reqs >= 1 request slots, "
+                         f"got {slot_sizes}")
+    if value_checks_wanted(validate, device):
+        _check_indices(cu_num_logits, idx_mapping, slot_sizes, num_logits, num_speculative_steps)
+        if row_mapping is not None:
+            _check_rows(row_mapping, idx_mapping, values.shape[0])
     if values is not None and values.shape[2] < vocab:
         # A padded target head: vLLM verifies over the draft's vocabulary (a view, no copy).
         vocab = values.shape[2]
@@ -157,12 +182,14 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits_cache,
     draft_ids = draft_sampled.to(torch.int64)[draft_rows] if num_packed else \
         draft_sampled.new_zeros(0, dtype=torch.int64)
 
-    slots = idx_mapping.to(torch.int64)
+    # Unvalidated slots past the end are clamped: never a read out of bounds.
+    slots = idx_mapping.to(torch.int64).clamp(0, max(min(slot_sizes.values()) - 1, 0))
     temp = temperature.to(torch.float32)[slots]
     greedy = temp == 0
     draft_args = {}
     if values is not None:
-        rows = slots if row_mapping is None else row_mapping.to(torch.int64)[slots]
+        rows = slots if row_mapping is None else \
+            row_mapping.to(torch.int64)[slots].clamp(max=values.shape[0] - 1)
         if row_mapping is not None and num_packed:
             # No row on this rank: the drafter's q is unknown, so its drafts are rejected
             # and the target is sampled (exact whatever the drafts were).
@@ -182,6 +209,16 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits_cache,
     # 7) gets what vLLM's kernels write there, token 0 (its argmax over all -inf).
     emitted = torch.arange(sampled.shape[1], device=device) < num_sampled[:, None]
     return torch.where(emitted & (sampled < 0), 0, sampled), num_sampled
+
+
+def _check_rows(row_mapping, idx_mapping, num_rows: int) -> None:
+    """``validate``: each request's row of a sharded cache is -1 or a row (a synchronisation)."""
+    rows = row_mapping.to(torch.int64)[idx_mapping.to(torch.int64)]
+    bad = (rows < -1) | (rows >= num_rows)
+    if bool(bad.any()):
+        i = _params.first_true(bad)
+        raise ValueError(f"draft_logits_cache.row_mapping: expected rows in [-1, {num_rows}) "
+                         f"(the cache's values), got {int(rows[i])} for request {i}")
 
 
 def _cache_parts(cache, device, num_steps: int):
