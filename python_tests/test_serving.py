@@ -353,7 +353,8 @@ def test_serving_bench_tables_ratios_and_plot(tmp_path):
     rate where speculation stops paying, and the files it writes."""
     from bench import serving as B
     rows = []
-    for rate, plain, spec in ((0.5, 10.0, 15.0), (1.0, 18.0, 20.0), (2.0, 30.0, 27.0)):
+    for rate, plain, spec in ((0.5, 10.0, 15.0), (1.0, 18.0, 20.0), (2.0, 30.0, 29.4),
+                              (4.0, 40.0, 38.0)):
         for config, tps in (("plain", plain), ("adaptive", spec)):
             rows.append({"load": f"poisson {rate:g}", "rate": rate, "clients": None,
                          "config": config, "tokens_per_s": tps, "tpot_p50_ms": 1e3 / tps,
@@ -362,8 +363,11 @@ def test_serving_bench_tables_ratios_and_plot(tmp_path):
                          "speculative_share": 0.5, "completed": 3, "requests": 3,
                          "profile_s": {}})
     B.ratios(rows)
-    assert [r["throughput_vs_plain"] for r in rows[1::2]] == [1.5, 1.111, 0.9]
-    assert B.stops_paying(rows) == {"adaptive": 2.0}
+    assert [r["throughput_vs_plain"] for r in rows[1::2]] == [1.5, 1.111, 0.98, 0.95]
+    assert B.stops_paying(rows) == {"adaptive": 2.0}  # 0.98x: above the floor, TPOT behind
+    for r in rows[5::2]:
+        r["tpot_p50_vs_plain"] = 0.9               # ahead on TPOT: the floor decides
+    assert B.stops_paying(rows) == {"adaptive": 4.0}
     assert B.percentile([3.0, 1.0, float("nan"), 2.0], 50) == 2.0
     assert B.percentile([], 99) is None
     meta = {"device_name": "cpu", "cpu": {"model": "x"}, "git_commit": "abc", "timestamp": "t",
