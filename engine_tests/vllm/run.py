@@ -113,6 +113,9 @@ def run_file(version: str, home: pathlib.Path, plugin: str, test_file: str, env:
     report.unlink(missing_ok=True)
     cmd = [home / "venv" / "bin" / "python", "-m", "pytest", "-p", plugin, "--noconftest",
            "-q", "-rA", "-p", "no:cacheprovider", f"--junitxml={report}", test_file, *extra]
+    log = report.with_suffix(".log")
+    log.unlink(missing_ok=True)
+    env = dict(env, ENGINE_TESTS_LOG=str(log))
     start = time.monotonic()
     limit = int(os.environ.get("ENGINE_TESTS_FILE_TIMEOUT", "5400"))
     try:
@@ -124,8 +127,16 @@ def run_file(version: str, home: pathlib.Path, plugin: str, test_file: str, env:
         note = f"file time limit {limit} s"
     seconds = time.monotonic() - start
     name = pathlib.Path(test_file).name
-    if not report.exists():
-        table.add_row("vllm", version, name, 0, 0, seconds, note or "no report")
+    if not report.exists():  # stopped: what the per-test log says ran
+        lines = [line.split("\t") for line in log.read_text().splitlines()] \
+            if log.exists() else []
+        done = {line[0] for line in lines}
+        bad = {line[0] for line in lines if line[2] != "passed"}
+        table.add_row("vllm", version, name, len(done - bad), len(done), seconds,
+                      (note or "no report") + f"; {len(done)} tests ran before it stopped")
+        for line in lines:
+            if line[2] != "passed":
+                print(f"  {line[0]}: {line[2]} ({line[1]}): {line[4] if len(line) > 4 else ''}")
         return False
     passed, total, _, notes = table.junit_counts(report)
     table.add_row("vllm", version, name, passed, total, seconds, note)

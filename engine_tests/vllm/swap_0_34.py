@@ -88,6 +88,17 @@ def pytest_runtest_call(item):
         signal.signal(signal.SIGALRM, previous)
 
 
+def pytest_runtest_logreport(report):
+    """Each test's outcome as it ends (``ENGINE_TESTS_LOG``): a file stopped by its time limit
+    still says what ran."""
+    path = os.environ.get("ENGINE_TESTS_LOG")
+    if path and (report.when == "call" or report.outcome != "passed"):
+        message = "" if report.passed else str(report.longrepr).strip().splitlines()[-1][:200]
+        with open(path, "a") as out:
+            out.write(f"{report.nodeid}\t{report.when}\t{report.outcome}\t"
+                      f"{report.duration:.1f}\t{message}\n")
+
+
 def pytest_report_header(config):
     return [f"vLLM 0.34.0 MRV2: RejectionSampler / rejection_sample -> "
             f"specdec_kernels.adapters.vllm.mrv2_0_34; device shim "
