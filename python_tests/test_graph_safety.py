@@ -232,6 +232,70 @@ def test_inductor_decode_step_gives_the_eager_tokens(backend):
     assert_same(compiled(make_inputs(seed=1)), expected)  # the compiled graph, run again
 
 
+# Validated calls (the default validate=True) under fullgraph: the value checks are the op
+# specdec::check_values, run when the compiled step runs; a bad value raises the eager error.
+def _validated_steps(x):
+    return {
+        "verify_chain": lambda: sk.verify_chain(
+            x.chain_logits, x.draft_ids, draft_probs=x.draft_probs,
+            num_draft_tokens=x.num_drafts, temperature=x.temperature, top_p=0.9, seed=x.seeds,
+            offset=x.offsets).output_token_ids,
+        "verify_chain_packed": lambda: sk.verify_chain_packed(
+            x.packed_logits, x.packed_ids, x.cu, max_draft_tokens=K, temperature=x.temperature,
+            seed=x.seeds, offset=x.offsets).output_token_ids,
+        "verify_tree": lambda: sk.verify_tree(
+            x.tree_logits, x.tree_ids, x.parents, num_nodes=x.num_nodes,
+            temperature=x.temperature, seed=x.seeds, offset=x.offsets).output_token_ids,
+        "sample": lambda: sk.sample(x.logits2, temperature=x.temperature, seed=x.seeds,
+                                    offset=x.offsets),
+    }
+
+
+# (op, the input made bad in place, its bad value, the eager error's start)
+BAD_VALUES = [
+    ("verify_chain", "draft_ids", (0, 0, V), "draft_token_ids: expected ids in"),
+    ("verify_chain", "num_drafts", (1, 7), "num_draft_tokens: expected values in 0..3"),
+    ("verify_chain", "temperature", (0, -1.0), "temperature: expected finite values >= 0"),
+    ("verify_chain_packed", "cu", (1, 4), "cu_num_draft_tokens: expected at most"),
+    ("verify_tree", "parents", (1, 3, 4), "parents: not a tree"),
+    ("sample", "temperature", (1, float("nan")), "temperature: expected finite values >= 0"),
+]
+
+
+@pytest.mark.parametrize("op,field,bad,message", BAD_VALUES)
+def test_fullgraph_validated_call_compiles_and_raises_the_eager_error(op, field, bad, message):
+    torch._dynamo.reset()
+    x = make_inputs()
+    expected = _validated_steps(x)[op]()
+    compiled = torch.compile(lambda: _validated_steps(x)[op](), fullgraph=True,
+                             backend="aot_eager")
+    assert torch.equal(compiled(), expected)  # compiles (no graph break), the eager tokens
+    tensor, *index, value = getattr(x, field), *bad[:-1], bad[-1]
+    tensor[tuple(index)] = value
+    with pytest.raises(ValueError, match="^" + message) as eager:
+        _validated_steps(x)[op]()
+    with pytest.raises(ValueError, match="^" + message) as in_graph:
+        compiled()  # the same graph: the check runs when it runs
+    assert str(in_graph.value) == str(eager.value)
+
+
+def test_fullgraph_bad_shape_is_dynamos_unsupported_naming_the_eager_error():
+    """Host checks (shapes, dtypes, Python numbers) run while Dynamo traces: under
+    fullgraph=True their error becomes torch._dynamo.exc.Unsupported ("Observed exception"),
+    whose cause names the eager error (docs/graphs.md); without fullgraph, the eager error."""
+    torch._dynamo.reset()
+    x = make_inputs()
+
+    def step(ids):
+        return sk.verify_chain(x.chain_logits, ids, seed=x.seeds, offset=x.offsets)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported) as caught:
+        torch.compile(step, fullgraph=True, backend="aot_eager")(x.draft_ids[:, :2])
+    assert "draft_token_ids: expected shape [2, 3]" in repr(caught.value.__cause__)
+    with pytest.raises(ValueError, match="^draft_token_ids: expected shape"):
+        torch.compile(step, backend="aot_eager")(x.draft_ids[:, :2])
+
+
 def test_seed_none_under_compile_draws_afresh_like_eager():
     """``seed=None`` under torch.compile: a fresh draw from torch's default generator on
     every call of the compiled step, the same draws as eager mode (``specdec::draw_seeds``
@@ -294,6 +358,11 @@ def _op_calls():
             _cpu.processed_probs(make_inputs().logits2, params)
     for func, args, kwargs in recorder.calls:
         calls.setdefault(func.name().split("::")[1], (func, args, kwargs))
+    # A validated call's value checks: the op under torch.compile only (eagerly a plain call,
+    # so that forbid_host_sync sees its reads); these are sample's (a temperature tensor).
+    x = make_inputs()
+    calls["check_values"] = (torch.ops.specdec.check_values.default,
+                             ("sampling", [x.temperature, None, None, None], []), {})
     return calls
 
 

@@ -172,6 +172,35 @@ def _(like):
 
 
 # ---------------------------------------------------------------------------------------------
+# Value checks (validate=True)
+# ---------------------------------------------------------------------------------------------
+
+# family name -> run(tensors, ints): raises the family's first failing check. Filled by the
+# parsing layer above (``_params.check_family``), which owns the messages; the op below only
+# looks the family up, so this module imports nothing from that layer.
+CHECKS: dict[str, Callable] = {}
+
+
+@_define("check_values")
+def check_values(family: str, tensors: list[Optional[torch.Tensor]], ints: list[int]) -> None:
+    """The value checks of a validated call (one read of the small tensors they need): an op,
+    so that under ``torch.compile`` they run when the compiled step runs and raise the eager
+    error (a traced ``.item()`` would break the graph)."""
+    CHECKS[family](tensors, ints)
+
+
+@_fake("check_values")
+def _(family, tensors, ints):
+    return None
+
+
+try:  # no output: keep it in compiled graphs (older torch: a graph's outputs never drop it)
+    torch.fx.node.has_side_effect(torch.ops.specdec.check_values.default)
+except AttributeError:
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
 # Reference backend (the definition, pure PyTorch)
 # ---------------------------------------------------------------------------------------------
 

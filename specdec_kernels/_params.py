@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from . import _ops, _types  # _ops: the draw_seeds op (this module sits above it, docs/layers.md)
+from ._rng import MAX_POSITION
 from ._types import SamplingParams
 
 Scalar = Union[int, float, bool]
@@ -47,7 +48,6 @@ def check_tensor(x, name: str, *, ndim: Optional[int] = None,
 def check_verify_logits(logits, name: str, rows: str) -> tuple[int, int, int]:
     """``[B, R, V]`` logits of a verify call (``rows`` names R: ``"K+1"`` or ``"N"``) with
     ``1 <= R <= 2**16`` (rows and drafts are Philox positions) and ``V >= 1``."""
-    from ._rng import MAX_POSITION
     check_tensor(logits, name, ndim=3, dtypes=LOGIT_DTYPES)
     batch, num_rows, vocab = logits.shape
     if num_rows < 1 or vocab < 1:
@@ -88,9 +88,9 @@ def per_request(value: PerRequest, name: str, batch: int, device: torch.device,
         elif value.dim() != 1 or value.shape[0] != batch:
             raise ValueError(f"{name}: expected a scalar or a [{batch}] tensor (one per request), "
                              f"got shape {list(value.shape)}")
-        if dtype == torch.int32 and value.dtype == torch.int64:
-            return value.contiguous()
-        return value.to(dtype).contiguous()
+        if value.dtype != dtype and not (dtype == torch.int32 and value.dtype == torch.int64):
+            value = value.to(dtype)
+        return value if value.is_contiguous() else value.contiguous()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a Python number or a tensor, got {type(value).__name__}")
     if not dtype.is_floating_point and isinstance(value, float):
@@ -163,11 +163,37 @@ Check = tuple[torch.Tensor, Callable[[], None]]
 
 def raise_first_failure(checks: Sequence[Check]) -> None:
     """Value checks in one synchronisation: calls the ``raise_error`` of the first check whose
-    ``bad`` tensor holds a True (each builds its message, naming the first bad request)."""
-    failed = torch.stack([bad.any() for bad, _ in checks]).tolist()
-    for (_, raise_error), bad in zip(checks, failed):
-        if bad:
-            raise_error()
+    ``bad`` tensor holds a True (each builds its message, naming the first bad request). One
+    read of one combined flag; only on a failure is each check read again, in order."""
+    if not checks:
+        return
+    flags = checks[0][0] if len(checks) == 1 else \
+        torch.cat([bad.reshape(-1) for bad, _ in checks])
+    if flags.any().item():
+        for bad, raise_error in checks:
+            if bad.any().item():
+                raise_error()
+
+
+def check_values(family: str, tensors: list, ints: list) -> None:
+    """Runs the value checks ``CHECKS[family](tensors, ints)`` (``raise_first_failure``):
+    eagerly, a plain call; under ``torch.compile`` the op ``specdec::check_values``, which
+    runs them when the compiled step runs, so a validated call compiles with
+    ``fullgraph=True`` and a bad value raises the eager error (docs/graphs.md). Outside
+    Dynamo it is a plain call even under a dispatch mode, so ``forbid_host_sync`` sees its
+    reads (validation reads by design)."""
+    if torch.compiler.is_compiling():
+        torch.ops.specdec.check_values.default(family, tensors, ints)
+    else:
+        _ops.CHECKS[family](tensors, ints)
+
+
+def check_family(name: str):
+    """Registers ``builder(tensors, ints) -> list[Check]`` as the value checks ``name``."""
+    def register(builder):
+        _ops.CHECKS[name] = lambda tensors, ints: raise_first_failure(builder(tensors, ints))
+        return builder
+    return register
 
 
 def tree_checks(parents: torch.Tensor, num_nodes: Optional[torch.Tensor]) -> list[Check]:
@@ -205,11 +231,50 @@ def tree_checks(parents: torch.Tensor, num_nodes: Optional[torch.Tensor]) -> lis
     return [(bad_count, count_error), (bad_root, root_error), (bad_edge, edge_error)]
 
 
+# Parsed parameters of Python numbers, kept per (values, batch, V, device, stream) like the
+# broadcast scalars: an engine passing the same temperature every step parses it once.
+_PARAMS_CACHE: collections.OrderedDict = collections.OrderedDict()
+_PARAMS_CACHE_SIZE = 128
+_SCALAR_TYPES = (int, float, bool, type(None))
+
+
 def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerRequest, *,
                     batch: int, vocab_size: int, device: torch.device,
-                    validate: bool, min_p: PerRequest = None) -> SamplingParams:
-    # Python numbers are checked on the host whatever ``validate`` says (no synchronisation);
-    # tensors below, on their device, only when validating.
+                    validate: bool, min_p: PerRequest = None,
+                    checks: Optional[list] = None) -> SamplingParams:
+    """The parsed parameters. Python numbers are checked on the host whatever ``validate``
+    says (no synchronisation); tensors' values only when validating: here (the family
+    ``"sampling"``), or, given ``checks`` (a list), by the caller, whose family takes the four
+    tensors this appends (temperature, top-k, top-p, min-p as parsed, before rounding; None
+    for a Python number) with its own in one read."""
+    key = None
+    if type(temperature) in _SCALAR_TYPES and type(top_k) in _SCALAR_TYPES and \
+            type(top_p) in _SCALAR_TYPES and type(min_p) in _SCALAR_TYPES and \
+            not torch.compiler.is_compiling() and not _types.capturing(device):
+        key = (type(temperature), temperature, type(top_k), top_k, type(top_p), top_p,
+               type(min_p), min_p, batch, vocab_size, device, _stream_key(device))
+        cached = _PARAMS_CACHE.get(key)
+        if cached is not None:
+            if checks is not None:
+                checks += [None] * 4
+            return cached
+    params, values = _parse_sampling(temperature, top_k, top_p, min_p, batch, vocab_size,
+                                     device)
+    if checks is not None:
+        checks += values
+    elif validate and any(v is not None for v in values):
+        check_values("sampling", values, [])
+    if key is not None:
+        with _BROADCAST_LOCK:
+            if len(_PARAMS_CACHE) >= _PARAMS_CACHE_SIZE:
+                _PARAMS_CACHE.popitem(last=False)
+            _PARAMS_CACHE[key] = params
+    return params
+
+
+def _parse_sampling(temperature, top_k, top_p, min_p, batch, vocab_size, device):
+    """``(SamplingParams, [t, k, p, m])``: the parsed parameters and the tensors whose values
+    a validated call checks (None for Python numbers, checked here)."""
     _check_scalar(temperature, "temperature", lambda t: t >= 0 and t != math.inf,
                   "finite values >= 0 (0 = greedy)")
     _check_scalar(top_k, "top_k", lambda k: k >= 0, "values >= 0 (0 disables)")
@@ -223,19 +288,9 @@ def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerReques
     else:  # clamped on the host: values past int32 disable the filter like V does
         k = per_request(_clamp_int32(top_k), "top_k", batch, device, torch.int32, 0)
     p = per_request(top_p, "top_p", batch, device, _float_dtype(top_p), 1.0)
-    if validate:
-        if isinstance(temperature, torch.Tensor) and (_any(~(t >= 0)) or _any(torch.isinf(t))):
-            bad = t[~(t >= 0) | torch.isinf(t)][0].item()
-            raise ValueError(f"temperature: expected finite values >= 0 (0 = greedy), got {bad}")
-        if isinstance(top_k, torch.Tensor) and _any(k < 0):
-            raise ValueError(f"top_k: expected values >= 0 (0 disables), got {k[k < 0][0].item()}")
-        if isinstance(top_p, torch.Tensor) and _any(~((p > 0) & (p <= 1))):
-            bad = p[~((p > 0) & (p <= 1))][0].item()
-            raise ValueError(f"top_p: expected values in (0, 1] (1 disables), got {bad}")
     m = per_request(min_p, "min_p", batch, device, _float_dtype(min_p), 0.0)
-    if validate and isinstance(min_p, torch.Tensor) and _any(~((m >= 0) & (m <= 1))):
-        bad = m[~((m >= 0) & (m <= 1))][0].item()
-        raise ValueError(f"min_p: expected values in [0, 1] (0 disables), got {bad}")
+    values = [x if isinstance(v, torch.Tensor) else None
+              for x, v in ((t, temperature), (k, top_k), (p, top_p), (m, min_p))]
     uses_min_p = isinstance(min_p, torch.Tensor) or (min_p not in (None, 0, 0.0))
     uses_top_k = isinstance(top_k, torch.Tensor) or (top_k not in (None, 0) and top_k < vocab_size)
     uses_top_p = isinstance(top_p, torch.Tensor) or (top_p not in (None, 1, 1.0))
@@ -244,8 +299,50 @@ def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerReques
         k = k.clamp(0, 2**31 - 1).to(torch.int32)
     if t.dtype == torch.float64:  # finite temperatures past float32's range: its largest
         t = t.clamp(max=FLOAT32_MAX).to(torch.float32)
-    p, m = p.to(torch.float32), m.to(torch.float32)
-    return SamplingParams(t, k, p, uses_top_k, uses_top_p, all_greedy, m, uses_min_p)
+    if p.dtype != torch.float32:
+        p = p.to(torch.float32)
+    if m.dtype != torch.float32:
+        m = m.to(torch.float32)
+    return SamplingParams(t, k, p, uses_top_k, uses_top_p, all_greedy, m, uses_min_p), values
+
+
+def sampling_checks(t: Optional[torch.Tensor], k: Optional[torch.Tensor],
+                    p: Optional[torch.Tensor], m: Optional[torch.Tensor]) -> list[Check]:
+    """The value checks of tensor parameters (None: a Python number, checked on the host):
+    ``t`` temperatures (float32/64, before rounding), ``k`` top-k, ``p`` top-p, ``m`` min-p."""
+    checks = []
+    if t is not None:
+        bad_t = ~(t >= 0) | torch.isinf(t)
+
+        def temperature_error():
+            raise ValueError(f"temperature: expected finite values >= 0 (0 = greedy), got "
+                             f"{t[bad_t][0].item()}")
+        checks.append((bad_t, temperature_error))
+    if k is not None:
+        bad_k = k < 0
+
+        def top_k_error():
+            raise ValueError(f"top_k: expected values >= 0 (0 disables), got "
+                             f"{k[bad_k][0].item()}")
+        checks.append((bad_k, top_k_error))
+    if p is not None:
+        bad_p = ~((p > 0) & (p <= 1))
+
+        def top_p_error():
+            raise ValueError(f"top_p: expected values in (0, 1] (1 disables), got "
+                             f"{p[bad_p][0].item()}")
+        checks.append((bad_p, top_p_error))
+    if m is not None:
+        bad_m = ~((m >= 0) & (m <= 1))
+
+        def min_p_error():
+            raise ValueError(f"min_p: expected values in [0, 1] (0 disables), got "
+                             f"{m[bad_m][0].item()}")
+        checks.append((bad_m, min_p_error))
+    return checks
+
+
+check_family("sampling")(lambda tensors, ints: sampling_checks(*tensors))
 
 
 LOGPROB_KINDS = (None, "processed", "raw")
@@ -306,6 +403,8 @@ def narrow_int32(values: torch.Tensor, low: int, high: int) -> torch.Tensor:
     """An index tensor as int32 for the kernels: int64 values are clamped to ``[low, high]``
     first (unvalidated values past int32 then clamp as the kernels clamp, instead of
     wrapping); int32 values go as they are (the kernels clamp them)."""
+    if values.dtype == torch.int32:
+        return values
     if values.dtype == torch.int64:
         values = values.clamp(low, high)
     return values.to(torch.int32)
@@ -343,6 +442,62 @@ def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
     return s, o
 
 
+def plan_seeds(seed, offset, batch: int, device: torch.device):
+    """The host checks of ``seed`` and ``offset`` (offset first), nothing drawn: their parsed
+    ``[B]`` tensors when both are Python numbers (a call's plan keeps them), else
+    ``(None, None)`` (``seeds_and_offsets`` parses them per call)."""
+    o = per_request(_as_int64(offset, "offset"), "offset", batch, device, torch.int64, 0)
+    if seed is None or isinstance(seed, DeferredSeeds):
+        return None, None
+    s = per_request(_as_int64(seed, "seed"), "seed", batch, device, torch.int64, 0)
+    if isinstance(seed, torch.Tensor) or isinstance(offset, torch.Tensor):
+        return None, None
+    return s, o
+
+
+# A call's plan (what its structure decides, once the host checks passed), kept per
+# structure: ``call_key`` of its arguments. Engines repeat one structure every step.
+_PLAN_SIZE = 64
+_KEY_TYPES = (int, float, bool, str, type(None))
+
+
+def call_key(*args) -> Optional[tuple]:
+    """A hashable key of a call's structure: each plain tensor's shape, dtype and device, each
+    Python number's type and value; None (parse afresh) for anything else, while compiling or
+    under a dispatch mode, function mode or functorch transform (those see the parsing), and
+    while a CUDA graph is being captured (a plan holds tensors filled outside the graph)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
+        return None
+    key = []
+    cuda = None
+    for x in args:
+        kind = type(x)
+        if kind is torch.Tensor:
+            device = x.device
+            key += (x.shape, x.dtype, device)
+            if device.type == "cuda":
+                cuda = device
+        elif kind in _KEY_TYPES:
+            key += (kind, x)
+        else:
+            return None
+    if cuda is not None:
+        if _types.capturing(cuda):
+            return None
+        key.append(_stream_key(cuda))
+    return tuple(key)
+
+
+def remember(plans: dict, key: tuple, plan) -> None:
+    """Keeps ``plan`` under ``key`` (bounded: the oldest out first)."""
+    with _BROADCAST_LOCK:
+        if len(plans) >= _PLAN_SIZE:
+            plans.pop(next(iter(plans)))
+        plans[key] = plan
+
+
 def _as_int64(value, name: str):
     """A Python int seed or offset as int64 bits: unsigned 64-bit values wrap (an engine's
     uint64 seed keys the same Philox stream as its two's-complement int64). An integral
@@ -357,44 +512,77 @@ def _as_int64(value, name: str):
 
 
 def draft_slots(slots, num_slots: int, batch: int, device: torch.device,
-                validate: bool) -> Optional[torch.Tensor]:
+                validate: bool, checks: Optional[list] = None) -> Optional[torch.Tensor]:
     """``draft_slots`` (docs/semantics.md section 3.1): None, or an int32/int64 ``[B]``
     tensor on ``device`` naming each request's slot (dim 0) of the ``[S, K', V']`` draft
     tensor. With ``validate`` the values are checked to lie in ``[0, S)`` (one
-    synchronisation); without, every backend clamps them to ``[0, S - 1]``. Returned as given
+    synchronisation; given ``checks``, the caller's family checks them: this appends the
+    slots); without, every backend clamps them to ``[0, S - 1]``. Returned as given
     (contiguous): the kernels read it in place."""
     if slots is None:
+        if checks is not None:
+            checks.append(None)
         return None
     check_tensor(slots, "draft_slots", ndim=1, dtypes=INDEX_DTYPES, device=device)
     if slots.shape[0] != batch:
         raise ValueError(f"draft_slots: expected shape [{batch}] (one slot per request), got "
                          f"{list(slots.shape)}")
-    if validate and batch:
-        bad = (slots < 0) | (slots >= num_slots)
-        if _any(bad):
-            b = first_true(bad)
-            raise ValueError(f"draft_slots: expected slots in [0, {num_slots}) (dim 0 of the "
-                             f"draft tensor), got {int(slots[b])} for request {b}")
+    if checks is not None:
+        checks.append(slots)
+    elif validate and batch:
+        check_values("draft_slots", [slots], [num_slots])
     return slots.contiguous()
 
 
+@check_family("draft_slots")
+def slot_checks(tensors, ints) -> list[Check]:
+    """``draft_slots`` in ``[0, S)`` (``ints = [S]``); none for None."""
+    slots, = tensors
+    if slots is None or slots.shape[0] == 0:
+        return []
+    num_slots, = ints
+    bad = (slots < 0) | (slots >= num_slots)
+
+    def slots_error():
+        b = first_true(bad)
+        raise ValueError(f"draft_slots: expected slots in [0, {num_slots}) (dim 0 of the "
+                         f"draft tensor), got {int(slots[b])} for request {b}")
+    return [(bad, slots_error)]
+
+
 def draft_temperature(value: PerRequest, batch: int, device: torch.device,
-                      validate: bool) -> Optional[torch.Tensor]:
+                      validate: bool, checks: Optional[list] = None) -> Optional[torch.Tensor]:
     """``draft_temperature`` (docs/semantics.md section 3.1): None, a Python number or a
     0-D / ``[B]`` tensor, as ``temperature`` is parsed: float32 ``[B]``, finite values >= 0
     (0: the drafter took the draft row's arg-max); Python numbers are checked on the host
-    always, tensors only with ``validate``."""
+    always, tensors only with ``validate`` (given ``checks``: by the caller's family, this
+    appends the tensor as parsed, before rounding)."""
     if value is None:
+        if checks is not None:
+            checks.append(None)
         return None
     _check_scalar(value, "draft_temperature", lambda t: t >= 0 and t != math.inf,
                   "finite values >= 0 (0 = the draft row's arg-max)")
     t = per_request(_clamp_temperature(value), "draft_temperature", batch, device,
                     _float_dtype(value), 1.0)
-    if validate and isinstance(value, torch.Tensor) and batch:
-        bad = ~(t >= 0) | torch.isinf(t)
-        if _any(bad):
-            raise ValueError(f"draft_temperature: expected finite values >= 0 (0 = the draft "
-                             f"row's arg-max), got {t[bad][0].item()}")
+    tensor = t if isinstance(value, torch.Tensor) and batch else None
+    if checks is not None:
+        checks.append(tensor)
+    elif validate and tensor is not None:
+        check_values("draft_temperature", [tensor], [])
     if t.dtype == torch.float64:
         t = t.clamp(max=FLOAT32_MAX).to(torch.float32)
     return t
+
+
+@check_family("draft_temperature")
+def draft_temperature_checks(tensors, ints) -> list[Check]:
+    t, = tensors
+    if t is None:
+        return []
+    bad = ~(t >= 0) | torch.isinf(t)
+
+    def temperature_error():
+        raise ValueError(f"draft_temperature: expected finite values >= 0 (0 = the draft "
+                         f"row's arg-max), got {t[bad][0].item()}")
+    return [(bad, temperature_error)]

@@ -1,12 +1,14 @@
 """Public chain verification (contract section 3)."""
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import _backend, _cpu, _ops, _params
 from ._params import PerRequest
+from ._rng import MAX_POSITION
 from ._types import ChainVerifyOutput  # the result type lives at the bottom (docs/layers.md)
 from .reference import chain as _reference
 from .reference.packed import packed_layout
@@ -118,6 +120,90 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
             method=method, backend=backend, validate=validate, min_p=min_p,
             token_bitmask=token_bitmask, return_logprobs=return_logprobs,
             draft_slots=draft_slots, draft_temperature=draft_temperature)
+    # An engine calls with the same shapes and parameter kinds every step: the host checks
+    # and the parsing of Python numbers run once per structure (``_params.call_key``).
+    key = _params.call_key(target_logits, draft_token_ids, draft_probs, draft_logits,
+                           num_draft_tokens, temperature, top_k, top_p, min_p, seed, offset,
+                           method, backend, validate, token_bitmask, return_logprobs,
+                           draft_slots, draft_temperature)
+    plan = _CHAIN_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _chain_plan(target_logits, draft_token_ids, draft_probs, draft_logits,
+                           num_draft_tokens, temperature, top_k, top_p, min_p, seed, offset,
+                           method, backend, validate, token_bitmask, return_logprobs,
+                           draft_slots, draft_temperature)
+        if key is not None:
+            _params.remember(_CHAIN_PLANS, key, plan)
+    batch, device = plan.batch, plan.device
+    values: list = []  # the tensors whose values a validated call checks, in one read
+    params = plan.params
+    if params is None:  # some parameter is a tensor: parsed (and its values read) per call
+        params = _params.sampling_params(temperature, top_k, top_p, batch=batch,
+                                         vocab_size=plan.vocab, device=device,
+                                         validate=validate, min_p=min_p, checks=values)
+    else:
+        values += (None, None, None, None)
+    num_drafts = plan.rows - 1
+    counts = plan.num_draft_tokens
+    if counts is None:
+        counts = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device,
+                                     torch.int32, num_drafts)
+    values += (draft_token_ids, None if plan.count is not None else counts)
+    slots = draft_temp = None
+    if plan.num_slots:
+        slots = _params.draft_slots(draft_slots, plan.num_slots, batch, device, True, values)
+    else:
+        values.append(None)
+    if draft_temperature is not None:
+        draft_temp = plan.draft_temperature
+        if draft_temp is None:
+            draft_temp = _params.draft_temperature(draft_temperature, batch, device, True,
+                                                   values)
+        else:
+            values.append(None)
+    else:
+        values.append(None)
+    if validate:
+        _params.check_values("verify_chain", values,
+                             [num_drafts, plan.vocab, -1 if plan.count is None else plan.count,
+                              plan.num_slots])
+    counts = _params.narrow_int32(counts, 0, num_drafts)
+    # Last: seed=None draws from torch's generator, which a rejected call must not advance.
+    seeds, offsets = plan.seeds, plan.offsets
+    if seeds is None or offsets is None:
+        seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    return _run_chain(plan.use_triton, target_logits, draft_token_ids, draft_probs,
+                      draft_logits, counts, params, seeds, offsets, token_bitmask,
+                      return_logprobs, method=method, cpp=plan.cpp, draft_slots=slots,
+                      draft_temperature=draft_temp)
+
+
+class _ChainPlan(NamedTuple):
+    """What a chain call's structure decides (``_chain_plan``): None where a tensor argument
+    is parsed per call."""
+    batch: int
+    rows: int
+    vocab: int
+    device: torch.device
+    use_triton: bool
+    cpp: bool                   # the C++ CPU path runs the call
+    params: Optional[object]    # SamplingParams of Python numbers
+    count: Optional[int]        # num_draft_tokens as a Python number (None: a tensor)
+    num_draft_tokens: Optional[torch.Tensor]  # its [B] tensor
+    num_slots: int              # S with draft_slots, else 0
+    draft_temperature: Optional[torch.Tensor]  # parsed, for a Python number
+    seeds: Optional[torch.Tensor]    # parsed Python numbers (None: a tensor, or seed=None)
+    offsets: Optional[torch.Tensor]
+
+
+_CHAIN_PLANS: dict = {}
+
+
+def _chain_plan(target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
+                temperature, top_k, top_p, min_p, seed, offset, method, backend, validate,
+                token_bitmask, return_logprobs, draft_slots, draft_temperature) -> _ChainPlan:
+    """Every host check of a chain call, in the contract's order (the checks of tensor values
+    come later, per call), and what the structure decides."""
     batch, rows, vocab = _params.check_verify_logits(target_logits, "target_logits", "K+1")
     device = target_logits.device
     num_drafts = rows - 1  # K
@@ -134,20 +220,21 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     check_method(method)
     use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
-                                     device=device, validate=validate, min_p=min_p)
-    num_draft_tokens = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device,
-                                           torch.int32, num_drafts)
-    if validate:
-        _check_chain_values(draft_token_ids, num_draft_tokens, num_drafts, vocab)
-    num_draft_tokens = _params.narrow_int32(num_draft_tokens, 0, num_drafts)
-    slots, draft_temp = _draft_arguments(slotted, draft_probs, draft_logits, draft_slots,
-                                         draft_temperature, batch, device, validate)
-    # Last: seed=None draws from torch's generator, which a rejected call must not advance.
-    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
-    return _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
-                      num_draft_tokens, params, seeds, offsets, token_bitmask, return_logprobs,
-                      method=method, cpp=_cpu.selected(backend, device), draft_slots=slots,
-                      draft_temperature=draft_temp)
+                                     device=device, validate=validate, min_p=min_p, checks=[])
+    if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p, min_p)):
+        params = None
+    count = _host_count(num_draft_tokens, num_drafts)
+    counts = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device,
+                                 torch.int32, num_drafts)
+    slots, draft_temp, num_slots = _draft_arguments(
+        slotted, draft_probs, draft_logits, draft_slots, draft_temperature, batch, device, [])
+    seeds, offsets = _params.plan_seeds(seed, offset, batch, device)
+    cpp = not use_triton and _cpu.selected(backend, device) and \
+        _cpu.runs_chain(target_logits, draft_probs, method)
+    return _ChainPlan(batch, rows, vocab, device, use_triton, cpp, params, count,
+                      counts if count is not None else None, num_slots,
+                      None if isinstance(draft_temperature, torch.Tensor) else draft_temp,
+                      seeds, offsets)
 
 
 @_backend.on_input_device
@@ -218,7 +305,6 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
             min_p=min_p, token_bitmask=token_bitmask, seed=seed, offset=offset, method=method,
             return_logprobs=return_logprobs, backend=backend, validate=validate,
             draft_slots=draft_slots, draft_temperature=draft_temperature)
-    from ._rng import MAX_POSITION
     _params.check_tensor(target_logits, "target_logits", ndim=2, dtypes=_params.LOGIT_DTYPES)
     device = target_logits.device
     total_rows, vocab = target_logits.shape
@@ -252,12 +338,16 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
     check_method(method)
     _params.check_return_logprobs(return_logprobs)
     use_triton = _backend.resolve(backend, device) == "triton"
+    values: list = []
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
-                                     device=device, validate=validate, min_p=min_p)
+                                     device=device, validate=validate, min_p=min_p,
+                                     checks=values)
+    values += [draft_token_ids, cu_num_draft_tokens]
+    slots, draft_temp, num_slots = _draft_arguments(
+        slotted, draft_probs, draft_logits, draft_slots, draft_temperature, batch, device,
+        values)
     if validate:
-        _check_packed_values(draft_token_ids, cu_num_draft_tokens, max_draft_tokens, vocab)
-    slots, draft_temp = _draft_arguments(slotted, draft_probs, draft_logits, draft_slots,
-                                         draft_temperature, batch, device, validate)
+        _params.check_values("verify_chain_packed", values, [max_draft_tokens, vocab, num_slots])
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     if not use_triton and _cpu.selected(backend, device) and \
             _cpu.runs_chain(target_logits, draft_probs, method):
@@ -312,14 +402,29 @@ def _check_drafts(draft_probs, draft_logits, shape, what: str, device, draft_slo
 
 
 def _draft_arguments(slotted: bool, draft_probs, draft_logits, draft_slots, draft_temperature,
-                     batch: int, device, validate: bool):
-    """``(draft_slots, draft_temperature)`` parsed for the ops (None where not given); the
-    slots' values checked with ``validate``."""
-    slots = None
+                     batch: int, device, values: list):
+    """``(draft_slots, draft_temperature, S)`` parsed for the ops (None where not given; S the
+    slots' range, 0 without slots); appends the tensors whose values a validated call checks
+    (the slots, the draft temperatures) to ``values``."""
+    slots, num_slots = None, 0
     if slotted:
         draft = draft_logits if draft_logits is not None else draft_probs
-        slots = _params.draft_slots(draft_slots, draft.shape[0], batch, device, validate)
-    return slots, _params.draft_temperature(draft_temperature, batch, device, validate)
+        num_slots = draft.shape[0]
+        slots = _params.draft_slots(draft_slots, num_slots, batch, device, True, values)
+    else:
+        values.append(None)
+    temperature = _params.draft_temperature(draft_temperature, batch, device, True, values)
+    return slots, temperature, num_slots
+
+
+def _host_count(num_draft_tokens, num_drafts: int):
+    """The draft count when it is a Python number or None (K), else None (a tensor)."""
+    if num_draft_tokens is None:
+        return num_drafts
+    if isinstance(num_draft_tokens, (int, float)) and not isinstance(num_draft_tokens, bool) \
+            and math.isfinite(num_draft_tokens) and num_draft_tokens == int(num_draft_tokens):
+        return int(num_draft_tokens)
+    return None
 
 
 def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_logits,
@@ -342,47 +447,79 @@ def _run_chain(use_triton, target_logits, draft_token_ids, draft_probs, draft_lo
     return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))
 
 
-def _check_packed_values(draft_token_ids: torch.Tensor, cu: torch.Tensor, max_draft_tokens: int,
-                         vocab: int) -> None:
-    """Contract section 10's bad offsets, then the ids (reads only these small tensors)."""
+@_params.check_family("verify_chain_packed")
+def _packed_checks(tensors, ints) -> list:
+    """Contract section 10's bad offsets, then the ids, then the slots and draft temperatures
+    (the parameters' checks first)."""
+    t, k, p, m, draft_token_ids, cu, slots, draft_temperature = tensors
+    max_draft_tokens, vocab, num_slots = ints
     cu = cu.to(torch.int64)
     batch = cu.shape[0] - 1
     counts = cu[1:] - cu[:batch]
     num_packed = draft_token_ids.shape[0]
-    if int(cu[0]) != 0:
+    ids = draft_token_ids.to(torch.int64)
+    bad_first = cu[:1] != 0
+    bad_order = counts < 0
+    bad_count = counts > max_draft_tokens
+    bad_last = cu[batch:] != num_packed
+    out_of_range = (ids < 0) | (ids >= vocab)
+
+    def first_error():
         raise ValueError(f"cu_num_draft_tokens: expected cu[0] = 0, got {int(cu[0])}")
-    if bool((counts < 0).any()):
-        b = _params.first_true(counts < 0)
+
+    def order_error():
+        b = _params.first_true(bad_order)
         raise ValueError(f"cu_num_draft_tokens: expected non-decreasing offsets, got "
                          f"cu[{b}] = {int(cu[b])} > cu[{b + 1}] = {int(cu[b + 1])}")
-    if bool((counts > max_draft_tokens).any()):
-        b = _params.first_true(counts > max_draft_tokens)
-        raise ValueError(f"cu_num_draft_tokens: expected at most max_draft_tokens = "
-                         f"{max_draft_tokens} drafts per request, got {int(counts[b])} for "
-                         f"request {b}")
-    if int(cu[batch]) != num_packed:
-        raise ValueError(f"cu_num_draft_tokens: expected cu[B] = len(draft_token_ids) = "
-                         f"{num_packed}, got cu[{batch}] = {int(cu[batch])}")
-    ids = draft_token_ids.to(torch.int64)
-    out_of_range = (ids < 0) | (ids >= vocab)
-    if bool(out_of_range.any()):
-        t = _params.first_true(out_of_range)
-        raise ValueError(f"draft_token_ids: expected ids in [0, {vocab}), got {int(ids[t])} "
-                         f"at [{t}]")
-
-
-def _check_chain_values(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
-                        num_drafts: int, vocab: int) -> None:
-    """``num_draft_tokens`` in ``0..K`` and the live drafts' ids in ``[0, V)``, in one
-    synchronisation."""
-    bad_count = (num_draft_tokens < 0) | (num_draft_tokens > num_drafts)
-    live = torch.arange(num_drafts, device=num_draft_tokens.device) < num_draft_tokens[:, None]
-    out_of_range = live & ((draft_token_ids < 0) | (draft_token_ids >= vocab))
 
     def count_error():
         b = _params.first_true(bad_count)
-        raise ValueError(f"num_draft_tokens: expected values in 0..{num_drafts} (K), "
-                         f"got {int(num_draft_tokens[b])} for request {b}")
+        raise ValueError(f"cu_num_draft_tokens: expected at most max_draft_tokens = "
+                         f"{max_draft_tokens} drafts per request, got {int(counts[b])} for "
+                         f"request {b}")
+
+    def last_error():
+        raise ValueError(f"cu_num_draft_tokens: expected cu[B] = len(draft_token_ids) = "
+                         f"{num_packed}, got cu[{batch}] = {int(cu[batch])}")
+
+    def ids_error():
+        j = _params.first_true(out_of_range)
+        raise ValueError(f"draft_token_ids: expected ids in [0, {vocab}), got {int(ids[j])} "
+                         f"at [{j}]")
+    return (_params.sampling_checks(t, k, p, m)
+            + [(bad_first, first_error), (bad_order, order_error), (bad_count, count_error),
+               (bad_last, last_error), (out_of_range, ids_error)]
+            + _params.slot_checks([slots], [num_slots])
+            + _params.draft_temperature_checks([draft_temperature], []))
+
+
+@_params.check_family("verify_chain")
+def _chain_checks(tensors, ints) -> list:
+    """The parameters, ``num_draft_tokens`` in ``0..K`` (a tensor; a Python count is checked
+    on the host), the live drafts' ids in ``[0, V)``, the slots, the draft temperatures."""
+    t, k, p, m, draft_token_ids, num_draft_tokens, slots, draft_temperature = tensors
+    num_drafts, vocab, count, num_slots = ints
+    checks = _params.sampling_checks(t, k, p, m)
+    if num_draft_tokens is not None:
+        bad_count = (num_draft_tokens < 0) | (num_draft_tokens > num_drafts)
+        live = torch.arange(num_drafts, device=num_draft_tokens.device) < \
+            num_draft_tokens[:, None]
+        out_of_range = live & ((draft_token_ids < 0) | (draft_token_ids >= vocab))
+
+        def count_error():
+            b = _params.first_true(bad_count)
+            raise ValueError(f"num_draft_tokens: expected values in 0..{num_drafts} (K), "
+                             f"got {int(num_draft_tokens[b])} for request {b}")
+        checks.append((bad_count, count_error))
+    else:  # a Python count: every request has its first `count` drafts live
+        if draft_token_ids.shape[0] and not 0 <= count <= num_drafts:
+            def count_error(given=count):
+                raise ValueError(f"num_draft_tokens: expected values in 0..{num_drafts} (K), "
+                                 f"got {given} for request 0")
+            checks.append((torch.ones(1, dtype=torch.bool), count_error))
+            count = min(max(count, 0), num_drafts)
+        live_ids = draft_token_ids if count == num_drafts else draft_token_ids[:, :count]
+        out_of_range = (live_ids < 0) | (live_ids >= vocab)
 
     def ids_error():
         b = _params.first_true(out_of_range.any(1))
@@ -390,4 +527,7 @@ def _check_chain_values(draft_token_ids: torch.Tensor, num_draft_tokens: torch.T
         raise ValueError(f"draft_token_ids: expected ids in [0, {vocab}) for the first "
                          f"num_draft_tokens[b] entries, got {int(draft_token_ids[b, j])} "
                          f"at [{b}, {j}]")
-    _params.raise_first_failure([(bad_count, count_error), (out_of_range, ids_error)])
+    if out_of_range.numel():
+        checks.append((out_of_range, ids_error))
+    return (checks + _params.slot_checks([slots], [num_slots])
+            + _params.draft_temperature_checks([draft_temperature], []))

@@ -117,6 +117,39 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
             logits, vocab_shard=vocab_shard, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, offset=offset, backend=backend, validate=validate, min_p=min_p,
             token_bitmask=token_bitmask, return_logprobs=return_logprobs)
+    key = _params.call_key(logits, temperature, top_k, top_p, min_p, seed, offset, backend,
+                           token_bitmask, return_logprobs)
+    plan = _SAMPLE_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _sample_plan(logits, temperature, top_k, top_p, min_p, seed, offset, backend,
+                            token_bitmask, return_logprobs)
+        if key is not None:
+            _params.remember(_SAMPLE_PLANS, key, plan)
+    use_triton, cpp, params, seeds, offsets = plan
+    batch, device = logits.shape[0], logits.device
+    if params is None:  # a tensor parameter: parsed (and its values read) per call
+        params = _params.sampling_params(temperature, top_k, top_p, batch=batch,
+                                         vocab_size=logits.shape[1], device=device,
+                                         validate=validate, min_p=min_p)
+    # Last: seed=None draws from torch's generator, which a rejected call must not advance.
+    if seeds is None:
+        seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    if cpp:
+        result = _cpu.sample(logits, params, seeds, offsets, token_bitmask, return_logprobs)
+        return result if return_logprobs is None else SampleOutput(*result)
+    op = "triton_sample" if use_triton else "reference_sample"
+    tokens, *logprobs = _ops.call(op, logits, *_ops.params_args(params), seeds, offsets,
+                                  token_bitmask, return_logprobs)
+    return tokens if return_logprobs is None else SampleOutput(tokens, logprobs[0])
+
+
+_SAMPLE_PLANS: dict = {}
+
+
+def _sample_plan(logits, temperature, top_k, top_p, min_p, seed, offset, backend,
+                 token_bitmask, return_logprobs):
+    """Every host check of a ``sample`` call, and what its structure decides: ``(use_triton,
+    cpp, params of Python numbers or None, seeds, offsets of Python numbers or None)``."""
     _check_logits(logits, ndim=2)
     batch, vocab = logits.shape
     _params.check_token_bitmask(token_bitmask, [batch], vocab, logits.device,
@@ -129,13 +162,10 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
                             "logits, got float64 (the reference backend takes float64)")
         use_triton = False  # "auto": float64 logits take the reference path on any device
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
-                                     device=logits.device, validate=validate, min_p=min_p)
-    # Last: seed=None draws from torch's generator, which a rejected call must not advance.
-    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=logits.device)
-    if _cpu.selected(backend, logits.device) and not use_triton and _cpu.runs_sample(logits):
-        result = _cpu.sample(logits, params, seeds, offsets, token_bitmask, return_logprobs)
-        return result if return_logprobs is None else SampleOutput(*result)
-    op = "triton_sample" if use_triton else "reference_sample"
-    tokens, *logprobs = _ops.call(op, logits, *_ops.params_args(params), seeds, offsets,
-                                  token_bitmask, return_logprobs)
-    return tokens if return_logprobs is None else SampleOutput(tokens, logprobs[0])
+                                     device=logits.device, validate=False, min_p=min_p,
+                                     checks=[])
+    if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p, min_p)):
+        params = None
+    seeds, offsets = _params.plan_seeds(seed, offset, batch, logits.device)
+    cpp = _cpu.selected(backend, logits.device) and not use_triton and _cpu.runs_sample(logits)
+    return use_triton, cpp, params, seeds, offsets
