@@ -17,8 +17,9 @@ refuses), a per-test limit (``ENGINE_TEST_TIMEOUT`` s,
 default 300) and a per-file limit (``ENGINE_TESTS_FILE_TIMEOUT`` s, default 5400), with
 ``TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu`` and no CUDA device unless one is present. Rows
 go to engine_tests/table.py's table; each test that does not pass is listed with its reason.
-Exit status: non-zero when a test failed (an expected failure marked in the plugin, a
-difference documented in docs/engines.md, counts as passed).
+Exit status: non-zero when a test failed; an expected failure (marked in the plugin: a
+difference documented in docs/engines.md) is counted apart in the table's note, not as a pass,
+and does not fail the run.
 """
 from __future__ import annotations
 
@@ -138,11 +139,13 @@ def run_file(version: str, home: pathlib.Path, plugin: str, test_file: str, env:
             if line[2] != "passed":
                 print(f"  {line[0]}: {line[2]} ({line[1]}): {line[4] if len(line) > 4 else ''}")
         return False
-    passed, total, _, notes = table.junit_counts(report)
+    passed, total, _, notes, xfailed = table.junit_counts(report)
+    if xfailed:
+        note = "; ".join(filter(None, [note, f"{xfailed} expected failures (documented)"]))
     table.add_row("vllm", version, name, passed, total, seconds, note)
     for test, outcome, message in notes:
         print(f"  {name}::{test}: {outcome}: {message}")
-    return passed == total and not note
+    return passed + xfailed == total and not note.startswith(("pytest", "file"))
 
 
 def main() -> int:
