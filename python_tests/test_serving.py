@@ -23,7 +23,8 @@ from specdec_kernels.e2e.serving import Server, SlotPool, serve
 
 SPECS = [Speculation(), Speculation("ngram", 3),
          Speculation("ngram", "adaptive", max_draft_tokens=4),
-         Speculation("ngram", 4, trie_nodes=6)]
+         Speculation("ngram", 4, trie_nodes=6), Speculation("model", 2),
+         Speculation("model", "adaptive", max_draft_tokens=3)]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,8 @@ def tiny():
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).eval()
     model.requires_grad_(False)
+    from specdec_kernels.e2e.model import early_exit_draft
+    model.draft = early_exit_draft(model, 1)  # its first layer: the draft model's tests
     saved = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: a second thread only waits on a busy machine
     yield model
@@ -64,7 +67,8 @@ TINY_REQUESTS = [Request([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], 12, seed=1),
 def _staggered(model, spec, requests, samplings=None, eos=None, **kwargs):
     """Request i joins after i steps of the others (a request may finish, freeing its row,
     before the next joins); then the loop drains."""
-    server = Server(model, spec, eos_token_id=eos, **kwargs)
+    server = Server(model, spec, eos_token_id=eos, draft_model=getattr(model, "draft", None),
+                    **kwargs)
     samplings = samplings or [Sampling()] * len(requests)
     for request, sampling in zip(requests, samplings):
         server.submit(request, sampling)
@@ -84,7 +88,7 @@ def test_greedy_tokens_equal_each_requests_own_plain_decoding(tiny, spec):
         server = _staggered(tiny, spec, requests)
         assert [c.tokens for c in server.completions] == [alone[i] for i in order], order
         assert all(c.finished and c.error is None for c in server.completions)
-    server = Server(tiny, spec)
+    server = Server(tiny, spec, draft_model=tiny.draft)
     for r in TINY_REQUESTS:
         server.submit(r)
     while server.busy:
@@ -171,8 +175,12 @@ def test_a_bad_request_is_rejected_and_the_others_go_on(tiny, change, error, nam
 
 
 def test_a_server_rejects_what_it_does_not_serve(tiny):
-    with pytest.raises(ValueError, match="speculation.drafter"):
+    with pytest.raises(ValueError, match="draft_model"):
         Server(tiny, Speculation("model", 2))
+    with pytest.raises(ValueError, match="speculation.tree"):
+        Server(tiny, Speculation("model", 0, tree=(2, 1)), draft_model=tiny.draft)
+    with pytest.raises(ValueError, match="drafter: expected"):
+        Server(tiny, Speculation("bogus", 2))
     with pytest.raises(ValueError, match="speculation.num_draft_tokens"):
         Server(tiny, Speculation("ngram", 0))
     with pytest.raises(ValueError, match="max_batch"):
@@ -266,7 +274,7 @@ def _law_run(model, prompt, samples, spec, background, bug=None):
     """``samples`` law requests (T = 1, top-k = 5, two tokens) arriving among background
     requests (greedy or T = 0.7 / top-p 0.9, budgets 5-9) while those decode; rows join as
     others leave (at most 256 live)."""
-    server = Server(model, spec, max_batch=256)
+    server = Server(model, spec, max_batch=256, draft_model=model.draft)
     law_ids = []
     for i in range(samples):
         if i % background == 0:
@@ -280,8 +288,8 @@ def _law_run(model, prompt, samples, spec, background, bug=None):
     return [server.completions[i].tokens for i in law_ids], server
 
 
-@pytest.mark.parametrize("spec", [Speculation("ngram", 2), Speculation("ngram", 2, trie_nodes=4)],
-                         ids=["chain", "trie"])
+@pytest.mark.parametrize("spec", [Speculation("ngram", 2), Speculation("ngram", 2, trie_nodes=4),
+                                  Speculation("model", 2)], ids=["chain", "trie", "model"])
 def test_first_two_tokens_law_with_requests_joining(tiny, spec, monkeypatch):
     """8,000 law requests; alpha = 1e-3 (the false-alarm rate), and the chi-square distance
     detected with power 0.99 is below 0.01 (about 0.005). The planted bug (each row verified
@@ -313,7 +321,7 @@ def test_first_two_tokens_law_with_requests_joining(tiny, spec, monkeypatch):
     result = chi_square(counts, law)
     assert outside == 0 and result["p_value"] > 1e-3, result
     assert result["detectable_distance"] < 0.01, result
-    if spec.trie:
+    if spec.drafter != "ngram" or spec.trie:
         return
 
     class Shifted(S.RowSampling):  # planted: row b gets row b - 1's parameters
@@ -334,7 +342,7 @@ def test_real_model_greedy_identity_with_requests_joining(real):
     requests = (task_requests(tokenizer, "copy", 2, max_new_tokens=8)
                 + task_requests(tokenizer, "rare_terms", 1, max_new_tokens=4))
     alone = [generate(model, [r], eos_token_id=eos).tokens[0] for r in requests]
-    for spec in SPECS[1:]:
+    for spec in SPECS[1:4]:
         server = _staggered(model, spec, requests, eos=eos)
         assert [c.tokens for c in server.completions] == alone, spec
     bad = Request([], 4)

@@ -36,6 +36,7 @@ from .drafters import NgramDrafter, NgramTrieDrafter
 from .engine import check_speculation, max_nodes, plan_step
 from .load import as_load
 from .model import SlotCache, chain_visibility, forward_block, prefill
+from .pool import PooledModelDrafter, RowSampling, SlotPool
 from .verify import unpack_rows, verify_step
 
 NAN = float("nan")
@@ -101,71 +102,6 @@ class ServeResult:
     policy: Optional[AdaptiveLength] = None
 
 
-class RowSampling:
-    """Per-row sampling parameters as the verify ops take them: Python numbers when every row
-    has the same value (the ops' fast paths, e.g. an all-greedy batch), else ``[B]`` tensors."""
-
-    def __init__(self, samplings, device):
-        def column(values, dtype):
-            if all(v == values[0] for v in values):
-                return values[0]
-            return torch.tensor(values, dtype=dtype, device=device)
-        self.temperature = column([s.temperature for s in samplings], torch.float32)
-        self.top_k = column([s.top_k for s in samplings], torch.int32)
-        self.top_p = column([s.top_p for s in samplings], torch.float32)
-        self.greedy = all(s.greedy for s in samplings)
-
-    def kwargs(self) -> dict:
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
-
-
-class SlotPool:
-    """Every layer's K and V ``[R, H, capacity, D]``; the live requests are rows ``0..n-1``."""
-
-    def __init__(self):
-        self.tensors: list[torch.Tensor] = []   # keys of every layer, then values
-        self.rows = self.capacity = self.live = 0
-
-    def view(self) -> SlotCache:
-        """The live rows as a :class:`SlotCache` (views: the forward writes into the pool)."""
-        cache = SlotCache(self.live, self.capacity)
-        layers = len(self.tensors) // 2
-        cache.keys = [t[:self.live] for t in self.tensors[:layers]]
-        cache.values = [t[:self.live] for t in self.tensors[layers:]]
-        return cache
-
-    def add(self, fresh: SlotCache, capacity: int) -> None:
-        """Append ``fresh``'s requests after the live rows (a prefill's cache)."""
-        new = fresh.tensors()
-        need = self.live + fresh.batch
-        if not self.tensors or need > self.rows or capacity > self.capacity:
-            rows = max(need, 2 * self.rows) if need > self.rows else self.rows
-            capacity = max(capacity, self.capacity)
-            grown = [t.new_zeros((rows, t.shape[1], capacity, t.shape[3])) for t in new]
-            for old, big in zip(self.tensors, grown):
-                big[:self.live, :, :self.capacity] = old[:self.live]
-            self.tensors, self.rows, self.capacity = grown, rows, capacity
-        for full, part in zip(self.tensors, new):
-            full[self.live:need, :, :part.shape[2]] = part
-        self.live = need
-
-    def remove(self, rows: list, widths: list) -> list:
-        """Free ``rows``; the last live rows move into them (``widths[r]``: row ``r``'s
-        committed positions, all that is copied). Returns ``order``: the old row now at
-        each row."""
-        order = list(range(self.live))
-        for r in sorted(set(rows), reverse=True):
-            last = len(order) - 1
-            if r != last:
-                width = widths[order[last]]
-                for t in self.tensors:
-                    t[r, :, :width].copy_(t[last, :, :width])
-                order[r] = order[last]
-            order.pop()
-        self.live = len(order)
-        return order
-
-
 @dataclass
 class _Row:
     id: int
@@ -180,25 +116,26 @@ class Server:
     """A continuous-batching loop over one target model: :meth:`submit` queues a request,
     :meth:`step` admits the queued ones (up to ``max_batch`` live) and runs one decode step.
 
-    ``speculation``: plain decoding, n-gram chains (fixed or adaptive length) or the n-gram
-    trie; the draft model and draft trees are not served (their drafter keeps a cache per
-    request that rows joining would have to follow). ``policy``: an :class:`AdaptiveLength`
+    ``speculation``: plain decoding, n-gram chains (fixed or adaptive length), the n-gram
+    trie, or draft-model chains (``draft_model``; its cache is a pool following the rows);
+    draft trees are not served. ``policy``: an :class:`AdaptiveLength`
     to go on with (its per-request state starts afresh); default a new one, ``load_aware``
     (costs kept across batch sizes, the prior by the live batch)."""
 
     def __init__(self, target, speculation: Speculation = Speculation(), *,
                  eos_token_id: Optional[int] = None, policy: Optional[AdaptiveLength] = None,
-                 max_batch: Optional[int] = None, clock=time.perf_counter):
+                 max_batch: Optional[int] = None, clock=time.perf_counter, draft_model=None):
         if not isinstance(speculation, Speculation):
             raise TypeError(f"speculation: expected a Speculation, got "
                             f"{type(speculation).__name__}")
         self.vocab = target.get_input_embeddings().num_embeddings
         check_run([Request([0], 1)], Sampling(), speculation, self.vocab)
         check_speculation(speculation)
-        if speculation.drafter == "model" or speculation.tree:
-            raise ValueError(f"speculation.drafter: the serving loop takes 'none' or 'ngram' "
-                             f"(chains, tries), got drafter={speculation.drafter!r}, "
-                             f"tree={speculation.tree}")
+        if speculation.tree:
+            raise ValueError(f"speculation.tree: the serving loop drafts chains and n-gram "
+                             f"tries, not draft trees; got tree={speculation.tree}")
+        if speculation.drafter == "model" and draft_model is None:
+            raise ValueError("draft_model: expected a model for drafter='model', got None")
         if max_batch is not None and (isinstance(max_batch, bool) or
                                       not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"max_batch: expected an int >= 1 or None, got {max_batch!r}")
@@ -214,10 +151,14 @@ class Server:
                                             int(spec.num_draft_tokens))
         elif spec.drafter == "ngram":
             self.drafter = NgramDrafter(spec.ngram_max)
+        elif spec.drafter == "model":
+            self.drafter = PooledModelDrafter(draft_model, spec, self.device)
         self.adaptive = None
+        model_drafts = spec.drafter == "model"  # a forward per draft level: probes of one
         if spec.adaptive:
             self.adaptive = policy or AdaptiveLength(0, spec.max_draft_tokens, calibrate=True,
-                                                     draft_cost_per_level=False,
+                                                     draft_cost_per_level=model_drafts,
+                                                     probe_length=1 if model_drafts else 4,
                                                      load_aware=True)
             self.adaptive.start(0)
         self.pool = SlotPool()
@@ -272,7 +213,10 @@ class Server:
         fresh = SlotCache(len(prompts), max(len(p) for p in prompts))
         written = prefill(self.target, fresh, prompts, self.device)
         need = max(len(p) + r.request.max_new_tokens for p, r in zip(prompts, joining))
-        self.pool.add(fresh, need + max_nodes(self.spec) + 2)
+        capacity = need + max_nodes(self.spec) + 2
+        self.pool.add(fresh, capacity)
+        if isinstance(self.drafter, PooledModelDrafter):
+            self.drafter.add(prompts, capacity, self.device)
         self.kv_lens = torch.cat([self.kv_lens, written])
         self.pending = torch.cat([self.pending, torch.tensor(
             [p[-1] for p in prompts], dtype=torch.long, device=self.device)])
@@ -310,10 +254,18 @@ class Server:
             seeds = torch.tensor([r.request.seed for r in rows], dtype=torch.long, device=device)
             offsets = torch.tensor([r.steps for r in rows], dtype=torch.long, device=device)
         remaining = [r.request.max_new_tokens - len(r.completion.tokens) for r in rows]
+        model_drafter = isinstance(drafter, PooledModelDrafter)
+        if model_drafter:
+            drafter.sampling = sampling  # the rows' own parameters for its drafts
         clock.lap("python")
+        drafting_before = profile["drafting"]
         plan = plan_step(spec, drafter, adaptive, [r.history for r in rows], range(batch),
                          remaining, pending, kv_lens, seeds, offsets, clock)
+        if plan is None and model_drafter:
+            drafter.skip(pending)
         clock.lap("drafting")
+        draft_seconds = profile["drafting"] - drafting_before  # this step's drafts
+        committed_before = profile["drafting"]
         verify_start = time.perf_counter()
         if plan is None:
             visible, depth = chain_visibility(batch, 1, device)
@@ -340,7 +292,11 @@ class Server:
             out, num_accepted, new_kv_lens = verify_step(
                 logits, plan, cache, kv_lens, sampling, spec, seeds, offsets, None, profile)
             clock.skip()
-        verify_seconds = time.perf_counter() - verify_start
+            if model_drafter:
+                drafter.commit(plan, kv_lens, num_accepted, out)
+                clock.lap("drafting")
+        commit_s = profile["drafting"] - committed_before
+        verify_seconds = time.perf_counter() - verify_start - commit_s
         counts = (num_accepted + 1).tolist()
         out_list, accepted_list = out.tolist(), num_accepted.tolist()
         now = self.now()
@@ -371,7 +327,8 @@ class Server:
             if plan is not None:
                 for b in range(batch):
                     adaptive.observe(b, plan.num_drafted(b), accepted_list[b])
-                adaptive.observe_cost(int(plan.num_draft.sum()) + batch, verify_seconds)
+                adaptive.observe_cost(int(plan.num_draft.sum()) + batch, verify_seconds,
+                                      draft_seconds + commit_s, int(plan.num_draft.max()))
             else:
                 adaptive.observe_cost(batch, verify_seconds)
             clock.lap("policy")
@@ -379,6 +336,8 @@ class Server:
         self.kv_lens = new_kv_lens.to(torch.long)
         if done_rows:
             order = self.pool.remove(done_rows, self.kv_lens.tolist())
+            if model_drafter and drafter.remove(done_rows) != order:
+                raise RuntimeError("draft pool out of step with the target's")
             index = torch.tensor(order, dtype=torch.long, device=device)
             self.kv_lens, self.pending = self.kv_lens[index], self.pending[index]
             self.rows = [rows[r] for r in order]
@@ -392,7 +351,7 @@ class Server:
 def serve(target, load, speculation: Speculation = Speculation(), *,
           eos_token_id: Optional[int] = None, policy: Optional[AdaptiveLength] = None,
           max_batch: Optional[int] = None, time_limit: Optional[float] = None,
-          clock=time.perf_counter, sleep=time.sleep) -> ServeResult:
+          clock=time.perf_counter, sleep=time.sleep, draft_model=None) -> ServeResult:
     """Serve a load (a list of :class:`~.load.Arrival` or a load object of :mod:`.load`):
     a request arrives when the loop's clock passes its time and is admitted at the next step
     boundary. Runs until nothing is live, queued or still to arrive, or ``time_limit``
@@ -403,7 +362,7 @@ def serve(target, load, speculation: Speculation = Speculation(), *,
         raise ValueError(f"time_limit: expected seconds > 0 or None, got {time_limit!r}")
     load = as_load(load)
     server = Server(target, speculation, eos_token_id=eos_token_id, policy=policy,
-                    max_batch=max_batch, clock=clock)
+                    max_batch=max_batch, clock=clock, draft_model=draft_model)
     limit = math.inf if time_limit is None else float(time_limit)
     while True:
         now = server.now()
