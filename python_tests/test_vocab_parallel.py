@@ -258,7 +258,7 @@ def _sample_case(results, sk, vp, vocab, variant, shard, start, width):
 
 def _job_bad(rank, world):
     """Arguments that differ between ranks: the same ValueError on every rank."""
-    import specdec_kernels as sk  # noqa: F401
+    import specdec_kernels as sk
     from specdec_kernels import vocab_parallel as vp
     vocab, batch, k = 400, 3, 2
     spans = _cuts(vocab, world)
@@ -291,6 +291,14 @@ def _job_bad(rank, world):
             outcome[name] = ("no error", "", time.monotonic() - t0)
         except (ValueError, TypeError) as err:
             outcome[name] = (type(err).__name__, str(err), time.monotonic() - t0)
+    # seed=None: each rank draws from its own generator; all take the first shard's draw.
+    torch.manual_seed(1000 + rank)
+    out = vp.verify_chain(_shard(logits, start, width, -INF), ids, vocab_shard=vp.VocabShard(
+        start, vocab), temperature=1.0)
+    torch.manual_seed(1000)  # rank 0 holds the first shard: its draw is the one used
+    ref = sk.verify_chain(logits, ids, temperature=1.0, backend="reference")
+    outcome["seed None"] = (out.output_token_ids, torch.equal(out.output_token_ids,
+                                                              ref.output_token_ids))
     # A rank that fails before the call: the others fail within the group's timeout.
     import torch.distributed as dist
     group = dist.new_group(timeout=datetime.timedelta(seconds=FAULT_TIMEOUT_S))
@@ -439,6 +447,9 @@ def test_disagreeing_ranks_fail_alike_and_a_failed_rank_blocks_no_one():
         assert "vocab_shard" in message, message
     assert "seed" in results[0]["seed"][1] and "temperature" in results[0]["temperature"][1]
     assert "draft_token_ids" in results[0]["local error"][1]
+    for r in range(1, world):  # seed=None: the same tokens on every rank
+        assert torch.equal(results[r]["seed None"][0], results[0]["seed None"][0])
+    assert all(res["seed None"][1] for res in results)  # = the first shard's draw, unsharded
     for r in range(world - 1):
         kind, message, elapsed = results[r]["fault"]
         assert kind != "no error", message

@@ -45,6 +45,7 @@ class Common:
     offsets: torch.Tensor
     names: list
     values: list
+    seed_drawn: bool = False  # seed=None: every rank takes the first shard's draw (agree)
 
 
 def check_logits(logits, name: str, ndim: int) -> torch.Tensor:
@@ -84,16 +85,18 @@ def common(shard: VocabShard, batch: int, device, temperature, top_k, top_p, min
                                      vocab_size=shard.vocab_size, device=device,
                                      validate=validate, min_p=min_p)
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
-    names, values = ["batch size", "validate", "uses_top_k", "uses_top_p", "uses_min_p"], \
+    drawn = seed is None
+    names, values = ["batch size", "validate", "uses_top_k", "uses_top_p", "uses_min_p",
+                     "seed=None"], \
         [batch, int(validate), int(params.uses_top_k), int(params.uses_top_p),
-         int(params.uses_min_p)]
+         int(params.uses_min_p), int(drawn)]
     if validate:  # digests read the small tensors on the host
         for name, value in (("temperature", params.temperature), ("top_k", params.top_k),
                             ("top_p", params.top_p), ("min_p", params.min_p),
-                            ("seed", seeds), ("offset", offsets)):
+                            ("seed", None if drawn else seeds), ("offset", offsets)):
             names.append(f"{name} (digest)")
             values.append(digest(value))
-    return Common(params, seeds, offsets, names, values)
+    return Common(params, seeds, offsets, names, values, drawn)
 
 
 def dtype_code(t: Optional[torch.Tensor]) -> int:
@@ -111,4 +114,8 @@ def agree(comm: Comm, parse) -> object:
     names = parsed.names if parsed is not None else []
     values = parsed.values if parsed is not None else []
     comm.agree(names, values, error)
+    common = getattr(parsed, "common", parsed)
+    if common.seed_drawn:  # each rank drew its own: all take the first shard's seeds
+        first = comm.rank == comm.order[0]
+        common.seeds = comm.reduce_sum(common.seeds * int(first))
     return parsed
