@@ -148,6 +148,12 @@ def vllm_mutations(c):
             logitsprocs=_features(sm, min_toks={0: (9, [], {0, v})}))),
         "min tokens negative": (ValueError, "min_tokens", lambda: sm.update(
             logitsprocs=_features(sm, min_toks={0: (9, [], {-1})}))),
+        "min tokens entry": (TypeError, "min_tokens", lambda: sm.update(
+            logitsprocs=_features(sm, min_toks={0: (9, 3, {0})}))),
+        "logit bias not a dict": (TypeError, "logit_bias", lambda: sm.update(
+            logitsprocs=_features(sm, biases={0: [1.0]}))),
+        "bad words not a list": (TypeError, "bad_words_token_ids", lambda: sm.update(
+            bad_words_token_ids={0: 3})),
         "prompt 1-D": (ValueError, "prompt_token_ids", lambda: _penalised(
             sm, b, prompt_token_ids=torch.zeros(3, dtype=torch.int64))),
         "prompt float": (TypeError, "prompt_token_ids", lambda: _penalised(
@@ -369,6 +375,7 @@ MUTATION_NAMES = {
              "temperature missing", "seed 1.5", "seed shape", "offset shape", "offset 2**64",
              "bad word past V", "bad word negative", "bad word empty", "logit bias past V",
              "logit bias not a number", "min tokens past V", "min tokens negative",
+             "min tokens entry", "logit bias not a dict", "bad words not a list",
              "prompt 1-D", "prompt float", "penalties bool", "history past V",
              "allowed mask shape", "generators index", "max_num_logprobs", "draft_probs shape",
              "bitmask width", "num_draft_tokens", "logits V = 0", "backend"),

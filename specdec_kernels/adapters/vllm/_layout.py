@@ -290,6 +290,9 @@ def _check_feature_ids(sm, batch: int, vocab: int, with_history: bool) -> None:
         raise TypeError(f"bad_words_token_ids: expected a dict batch index -> list of words, "
                         f"got {type(bad_words).__name__}")
     for b, words in bad_words.items():
+        if words is not None and not isinstance(words, (list, tuple)):
+            raise TypeError(f"bad_words_token_ids: expected a list of words (lists of token "
+                            f"ids) per request, got {type(words).__name__} for request {b}")
         for word in words or ():
             if isinstance(word, (list, tuple)) and not word:
                 raise ValueError(f"bad_words_token_ids: expected non-empty words, got [] for "
@@ -297,14 +300,22 @@ def _check_feature_ids(sm, batch: int, vocab: int, with_history: bool) -> None:
             _check_token_ids(word, "bad_words_token_ids", vocab, f"in request {b}'s word")
     for processor in processors(sm, "non_argmax_invariant"):
         if is_min_tokens(processor) and processor.min_toks:
+            if not isinstance(processor.min_toks, dict):
+                raise TypeError(f"min_tokens: expected a dict batch index -> (min_tokens, "
+                                f"output, stop token ids), got {type(processor.min_toks).__name__}")
             for b, entry in processor.min_toks.items():
-                if not isinstance(entry, (list, tuple)) or len(entry) < 3:
+                if not isinstance(entry, (list, tuple)) or len(entry) < 3 \
+                        or isinstance(entry[0], bool) or not isinstance(entry[0], numbers.Real) \
+                        or not hasattr(entry[1], "__len__"):
                     raise TypeError(f"min_tokens: expected (min_tokens, output, stop token ids"
                                     f"[, structured]) per request, got {entry!r} for request {b}")
                 _check_token_ids(entry[2], "min_tokens", vocab, f"(stop tokens) for request {b}")
         elif is_logit_bias(processor) and processor.biases:
             for b, biases in processor.biases.items():
                 biases = biases or {}
+                if not isinstance(biases, dict):
+                    raise TypeError(f"logit_bias: expected a dict token id -> bias per request, "
+                                    f"got {type(biases).__name__} for request {b}")
                 _check_token_ids(biases.keys(), "logit_bias", vocab, f"for request {b}")
                 for token, bias in biases.items():
                     if isinstance(bias, bool) or not isinstance(bias, numbers.Real):
