@@ -51,6 +51,10 @@ The step, as vLLM does it:
   shapes only (vLLM's metadata carries ``num_draft_tokens``, ``output_token_ids`` and
   ``spec_token_ids`` as host lists), host-built indices go to the device without a wait,
   the op runs with ``validate=False``, and no Python branch depends on a tensor's values.
+* Every check runs before the first write: the op's own host checks (parameter dtypes and
+  shapes, ``seed``, ``offset``), the features' token ids and the histories are checked before
+  the features are written into ``logits``, before the bonus ``Sampler`` runs and before any
+  generator advances; a rejected call changes nothing.
 
 Deliberate differences from vLLM 0.33.0, each where ours is exact and vLLM's is not:
 * ``min_p`` applies to the draft rows too (vLLM's ``apply_sampling_constraints`` gives the
