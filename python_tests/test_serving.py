@@ -384,3 +384,25 @@ def test_serving_bench_tables_ratios_and_plot(tmp_path):
     for name in ("serving.json", "serving.csv", "serving_summary.md", "serving.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "stops paying" in (tmp_path / "serving_summary.md").read_text()
+
+
+@pytest.mark.parametrize("loop", ["generate", "serve"])
+def test_adaptive_draft_cost_is_charged_per_step(tiny, loop, monkeypatch):
+    """The policy's draft cost per level comes from each step's own drafting time: the
+    seconds it is told add up to at most the run's drafting (generate passed the run's
+    running total, so a long run charged drafts ever more)."""
+    told = []
+    original = AdaptiveLength.observe_cost
+
+    def spy(self, rows, seconds, draft_seconds=0.0, widest=0):
+        told.append(draft_seconds)
+        return original(self, rows, seconds, draft_seconds, widest)
+    monkeypatch.setattr(AdaptiveLength, "observe_cost", spy)
+    spec = Speculation("model", "adaptive", max_draft_tokens=3)
+    requests = [Request([5, 6, 7, 8, 5, 6, 7], 24, stop_at_eos=False)]
+    if loop == "generate":
+        drafting = generate(tiny, requests, Sampling(), spec,
+                            draft_model=tiny.draft).stats.profile["drafting"]
+    else:
+        drafting = _staggered(tiny, spec, requests).stats.profile["drafting"]
+    assert len(told) > 10 and sum(told) <= drafting + 1e-6

@@ -110,12 +110,15 @@ def _generate(target, requests, sampling, speculation, draft_model, eos_token_id
             offsets = torch.tensor([steps[i] for i in live], dtype=torch.long, device=device)
         clock.lap("python")
         remaining = [requests[i].max_new_tokens - len(generated[i]) for i in live]
+        drafting_before = profile["drafting"]
         plan = plan_step(spec, drafter, adaptive, history, live, remaining, pending, kv_lens,
-                     step_seeds, offsets, clock)
+                         step_seeds, offsets, clock)
         if plan is None and drafter is not None and hasattr(drafter, "skip"):
             drafter.skip(pending)
         clock.lap("drafting")
-        draft_seconds = profile["drafting"]
+        # This step's drafting (the policy's cost per draft level), not the run's total.
+        draft_seconds = profile["drafting"] - drafting_before
+        committed_before = profile["drafting"]
         verify_start = time.perf_counter()
         if plan is None:  # plain decoding
             logits = forward_block(target, cache, pending[:, None], kv_lens,
@@ -152,7 +155,7 @@ def _generate(target, requests, sampling, speculation, draft_model, eos_token_id
                 drafter.commit(plan, kv_lens, num_accepted, out)
                 clock.lap("drafting")
         verify_end = time.perf_counter()
-        commit_s = profile["drafting"] - draft_seconds
+        commit_s = profile["drafting"] - committed_before
         stats.steps += 1
         counts = (num_accepted + 1).tolist()
         out_list = out.tolist()
