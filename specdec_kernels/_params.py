@@ -202,18 +202,22 @@ def tree_checks(parents: torch.Tensor, num_nodes: Optional[torch.Tensor]) -> lis
     ``0 <= parents[b, i] < i`` for every real node ``i >= 1`` (padding parents are not read).
     No synchronisation."""
     batch, nodes = parents.shape
-    index = torch.arange(nodes, device=parents.device)
-    count = (torch.full((batch,), nodes, dtype=torch.int64, device=parents.device)
-             if num_nodes is None else num_nodes.to(torch.int64))
-    parent = parents.to(torch.int64)
-    bad_count = (count < 1) | (count > nodes)
+    index = torch.arange(1, nodes, device=parents.device)  # the non-root nodes
+    parent = parents if parents.dtype == torch.int64 else parents.to(torch.int64)
+    children = parent[:, 1:]
     bad_root = parent[:, 0] != -1
-    bad_edge = ((parent < 0) | (parent >= index)) & (index > 0) & (index < count[:, None])
+    bad_edge = (children < 0) | (children >= index)
+    checks = []
+    if num_nodes is not None:  # (None: every node is real, N is in range)
+        count = num_nodes if num_nodes.dtype == torch.int64 else num_nodes.to(torch.int64)
+        bad_count = (count < 1) | (count > nodes)
+        bad_edge &= index < count[:, None]
 
-    def count_error():
-        b = first_true(bad_count)
-        raise ValueError(f"num_nodes: expected values in [1, {nodes}] (N, the root counts), "
-                         f"got {count[b].item()} for request {b}")
+        def count_error():
+            b = first_true(bad_count)
+            raise ValueError(f"num_nodes: expected values in [1, {nodes}] (N, the root counts), "
+                             f"got {count[b].item()} for request {b}")
+        checks.append((bad_count, count_error))
 
     def root_error():
         b = first_true(bad_root)
@@ -222,13 +226,13 @@ def tree_checks(parents: torch.Tensor, num_nodes: Optional[torch.Tensor]) -> lis
 
     def edge_error():
         b = first_true(bad_edge.any(1))
-        i = first_true(bad_edge[b])
+        i = first_true(bad_edge[b]) + 1
         value = parent[b, i].item()
         kind = "a cycle or forward edge" if value >= i else "a node without a parent"
         raise ValueError(f"parents: not a tree: expected 0 <= parents[b, i] < i for every real "
                          f"node i >= 1 (i < num_nodes[b]; parents before children), got "
                          f"parents[{b}, {i}] = {value} ({kind})")
-    return [(bad_count, count_error), (bad_root, root_error), (bad_edge, edge_error)]
+    return checks + [(bad_root, root_error), (bad_edge, edge_error)]
 
 
 # Parsed parameters of Python numbers, kept per (values, batch, V, device, stream) like the
@@ -439,19 +443,6 @@ def seeds_and_offsets(seed: PerRequest, offset: PerRequest, *, batch: int,
     if seed is None:
         seed = _ops.call("draw_seeds", o)
     s = per_request(_as_int64(seed, "seed"), "seed", batch, device, torch.int64, 0)
-    return s, o
-
-
-def plan_seeds(seed, offset, batch: int, device: torch.device):
-    """The host checks of ``seed`` and ``offset`` (offset first), nothing drawn: their parsed
-    ``[B]`` tensors when both are Python numbers (a call's plan keeps them), else
-    ``(None, None)`` (``seeds_and_offsets`` parses them per call)."""
-    o = per_request(_as_int64(offset, "offset"), "offset", batch, device, torch.int64, 0)
-    if seed is None or isinstance(seed, DeferredSeeds):
-        return None, None
-    s = per_request(_as_int64(seed, "seed"), "seed", batch, device, torch.int64, 0)
-    if isinstance(seed, torch.Tensor) or isinstance(offset, torch.Tensor):
-        return None, None
     return s, o
 
 

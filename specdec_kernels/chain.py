@@ -123,15 +123,15 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
     # An engine calls with the same shapes and parameter kinds every step: the host checks
     # and the parsing of Python numbers run once per structure (``_params.call_key``).
     key = _params.call_key(target_logits, draft_token_ids, draft_probs, draft_logits,
-                           num_draft_tokens, temperature, top_k, top_p, min_p, seed, offset,
-                           method, backend, validate, token_bitmask, return_logprobs,
-                           draft_slots, draft_temperature)
+                           num_draft_tokens, temperature, top_k, top_p, min_p, method, backend,
+                           validate, token_bitmask, return_logprobs, draft_slots,
+                           draft_temperature)
     plan = _CHAIN_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = _chain_plan(target_logits, draft_token_ids, draft_probs, draft_logits,
-                           num_draft_tokens, temperature, top_k, top_p, min_p, seed, offset,
-                           method, backend, validate, token_bitmask, return_logprobs,
-                           draft_slots, draft_temperature)
+                           num_draft_tokens, temperature, top_k, top_p, min_p, method, backend,
+                           validate, token_bitmask, return_logprobs, draft_slots,
+                           draft_temperature)
         if key is not None:
             _params.remember(_CHAIN_PLANS, key, plan)
     batch, device = plan.batch, plan.device
@@ -169,9 +169,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                               plan.num_slots])
     counts = _params.narrow_int32(counts, 0, num_drafts)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
-    seeds, offsets = plan.seeds, plan.offsets
-    if seeds is None or offsets is None:
-        seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     return _run_chain(plan.use_triton, target_logits, draft_token_ids, draft_probs,
                       draft_logits, counts, params, seeds, offsets, token_bitmask,
                       return_logprobs, method=method, cpp=plan.cpp, draft_slots=slots,
@@ -192,16 +190,14 @@ class _ChainPlan(NamedTuple):
     num_draft_tokens: Optional[torch.Tensor]  # its [B] tensor
     num_slots: int              # S with draft_slots, else 0
     draft_temperature: Optional[torch.Tensor]  # parsed, for a Python number
-    seeds: Optional[torch.Tensor]    # parsed Python numbers (None: a tensor, or seed=None)
-    offsets: Optional[torch.Tensor]
 
 
 _CHAIN_PLANS: dict = {}
 
 
 def _chain_plan(target_logits, draft_token_ids, draft_probs, draft_logits, num_draft_tokens,
-                temperature, top_k, top_p, min_p, seed, offset, method, backend, validate,
-                token_bitmask, return_logprobs, draft_slots, draft_temperature) -> _ChainPlan:
+                temperature, top_k, top_p, min_p, method, backend, validate, token_bitmask,
+                return_logprobs, draft_slots, draft_temperature) -> _ChainPlan:
     """Every host check of a chain call, in the contract's order (the checks of tensor values
     come later, per call), and what the structure decides."""
     batch, rows, vocab = _params.check_verify_logits(target_logits, "target_logits", "K+1")
@@ -228,13 +224,11 @@ def _chain_plan(target_logits, draft_token_ids, draft_probs, draft_logits, num_d
                                  torch.int32, num_drafts)
     slots, draft_temp, num_slots = _draft_arguments(
         slotted, draft_probs, draft_logits, draft_slots, draft_temperature, batch, device, [])
-    seeds, offsets = _params.plan_seeds(seed, offset, batch, device)
     cpp = not use_triton and _cpu.selected(backend, device) and \
         _cpu.runs_chain(target_logits, draft_probs, method)
     return _ChainPlan(batch, rows, vocab, device, use_triton, cpp, params, count,
                       counts if count is not None else None, num_slots,
-                      None if isinstance(draft_temperature, torch.Tensor) else draft_temp,
-                      seeds, offsets)
+                      None if isinstance(draft_temperature, torch.Tensor) else draft_temp)
 
 
 @_backend.on_input_device

@@ -117,23 +117,22 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
             logits, vocab_shard=vocab_shard, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, offset=offset, backend=backend, validate=validate, min_p=min_p,
             token_bitmask=token_bitmask, return_logprobs=return_logprobs)
-    key = _params.call_key(logits, temperature, top_k, top_p, min_p, seed, offset, backend,
-                           token_bitmask, return_logprobs)
+    key = _params.call_key(logits, temperature, top_k, top_p, min_p, backend, token_bitmask,
+                           return_logprobs)
     plan = _SAMPLE_PLANS.get(key) if key is not None else None
     if plan is None:
-        plan = _sample_plan(logits, temperature, top_k, top_p, min_p, seed, offset, backend,
-                            token_bitmask, return_logprobs)
+        plan = _sample_plan(logits, temperature, top_k, top_p, min_p, backend, token_bitmask,
+                            return_logprobs)
         if key is not None:
             _params.remember(_SAMPLE_PLANS, key, plan)
-    use_triton, cpp, params, seeds, offsets = plan
+    use_triton, cpp, params = plan
     batch, device = logits.shape[0], logits.device
     if params is None:  # a tensor parameter: parsed (and its values read) per call
         params = _params.sampling_params(temperature, top_k, top_p, batch=batch,
                                          vocab_size=logits.shape[1], device=device,
                                          validate=validate, min_p=min_p)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
-    if seeds is None:
-        seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     if cpp:
         result = _cpu.sample(logits, params, seeds, offsets, token_bitmask, return_logprobs)
         return result if return_logprobs is None else SampleOutput(*result)
@@ -146,10 +145,10 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
 _SAMPLE_PLANS: dict = {}
 
 
-def _sample_plan(logits, temperature, top_k, top_p, min_p, seed, offset, backend,
-                 token_bitmask, return_logprobs):
-    """Every host check of a ``sample`` call, and what its structure decides: ``(use_triton,
-    cpp, params of Python numbers or None, seeds, offsets of Python numbers or None)``."""
+def _sample_plan(logits, temperature, top_k, top_p, min_p, backend, token_bitmask,
+                 return_logprobs):
+    """Every host check of a ``sample`` call but the seeds' (parsed per call, last), and what
+    its structure decides: ``(use_triton, cpp, params of Python numbers or None)``."""
     _check_logits(logits, ndim=2)
     batch, vocab = logits.shape
     _params.check_token_bitmask(token_bitmask, [batch], vocab, logits.device,
@@ -166,6 +165,5 @@ def _sample_plan(logits, temperature, top_k, top_p, min_p, seed, offset, backend
                                      checks=[])
     if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p, min_p)):
         params = None
-    seeds, offsets = _params.plan_seeds(seed, offset, batch, logits.device)
     cpp = _cpu.selected(backend, logits.device) and not use_triton and _cpu.runs_sample(logits)
-    return use_triton, cpp, params, seeds, offsets
+    return use_triton, cpp, params

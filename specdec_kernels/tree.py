@@ -113,16 +113,16 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
             method=method, backend=backend, validate=validate, min_p=min_p,
             token_bitmask=token_bitmask, return_logprobs=return_logprobs)
     key = _params.call_key(target_logits, tree_token_ids, parents, draft_probs, draft_sampling,
-                           num_nodes, temperature, top_k, top_p, min_p, seed, offset, method,
-                           backend, token_bitmask, return_logprobs)
+                           num_nodes, temperature, top_k, top_p, min_p, method, backend,
+                           token_bitmask, return_logprobs)
     plan = _TREE_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = _tree_plan(target_logits, tree_token_ids, parents, draft_probs, draft_sampling,
-                          num_nodes, temperature, top_k, top_p, min_p, seed, offset, method,
-                          backend, token_bitmask, return_logprobs)
+                          num_nodes, temperature, top_k, top_p, min_p, method, backend,
+                          token_bitmask, return_logprobs)
         if key is not None:
             _params.remember(_TREE_PLANS, key, plan)
-    batch, nodes, vocab, device, use_triton, cpp, params, counts, seeds, offsets = plan
+    batch, nodes, vocab, device, use_triton, cpp, params, counts = plan
     values: list = []  # the tensors whose values a validated call checks, in one read
     if params is None:  # a tensor parameter: parsed (and its values read) per call
         params = _params.sampling_params(temperature, top_k, top_p, batch=batch,
@@ -133,12 +133,12 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
     if counts is None:
         counts = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
     if validate:
-        _params.check_values("verify_tree", values + [tree_token_ids, parents, counts],
+        _params.check_values("verify_tree", values + [tree_token_ids, parents,
+                                                      None if num_nodes is None else counts],
                              [vocab])
     num_nodes = _params.narrow_int32(counts, 1, nodes)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
-    if seeds is None:
-        seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     if cpp:
         return TreeVerifyOutput(*_cpu.verify_tree(
             target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
@@ -157,16 +157,17 @@ def _tree_checks(tensors, ints) -> list:
     """The parameters, the tree (``_params.tree_checks``) and the real non-root nodes' ids."""
     t, k, p, m, tree_token_ids, parents, num_nodes = tensors
     vocab, = ints
-    index = torch.arange(parents.shape[1], device=parents.device)
-    live = (index < num_nodes[:, None]) & (index > 0)
-    ids = tree_token_ids.to(torch.int64)
-    out_of_range = live & ((ids < 0) | (ids >= vocab))
+    index = torch.arange(1, parents.shape[1], device=parents.device)  # the non-root nodes
+    ids = tree_token_ids[:, 1:]
+    out_of_range = (ids < 0) | (ids >= vocab)
+    if num_nodes is not None:  # (None: every node is real)
+        out_of_range &= index < num_nodes[:, None]
 
     def ids_error():
         b = _params.first_true(out_of_range.any(1))
         i = _params.first_true(out_of_range[b])
         raise ValueError(f"tree_token_ids: expected ids in [0, {vocab}) for the real non-root "
-                         f"nodes, got {int(ids[b, i])} at [{b}, {i}]")
+                         f"nodes, got {int(ids[b, i])} at [{b}, {i + 1}]")
     return (_params.sampling_checks(t, k, p, m) + _params.tree_checks(parents, num_nodes)
             + [(out_of_range, ids_error)])
 
@@ -175,7 +176,7 @@ _TREE_PLANS: dict = {}
 
 
 def _tree_plan(target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
-               temperature, top_k, top_p, min_p, seed, offset, method, backend, token_bitmask,
+               temperature, top_k, top_p, min_p, method, backend, token_bitmask,
                return_logprobs):
     """Every host check of a tree call, in the contract's order (tensor values are checked
     per call), and what the structure decides."""
@@ -207,8 +208,7 @@ def _tree_plan(target_logits, tree_token_ids, parents, draft_probs, draft_sampli
     if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p, min_p)):
         params = None
     counts = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
-    seeds, offsets = _params.plan_seeds(seed, offset, batch, device)
     cpp = not use_triton and _cpu.selected(backend, device) and \
         _cpu.runs_tree(target_logits, draft_probs, method)
     return (batch, nodes, vocab, device, use_triton, cpp, params,
-            None if isinstance(num_nodes, torch.Tensor) else counts, seeds, offsets)
+            None if isinstance(num_nodes, torch.Tensor) else counts)

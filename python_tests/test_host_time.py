@@ -1,0 +1,137 @@
+"""Host time per call (issue 46, docs/performance.md): a call's structure is parsed once (its
+plan), a validated call reads one combined flag, the Triton path's launches per mode are the
+documented ones, and the bench runs."""
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import specdec_kernels as sk
+from specdec_kernels import chain, sampling, tree
+
+B, K, V = 3, 4, 20
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(logits=torch.randn(B, K + 1, V, generator=g), ids=torch.randint(0, V, (B, K), generator=g),
+                probs=torch.softmax(torch.randn(B, K, V, generator=g), -1),
+                seed=torch.arange(B) + 5, offset=torch.zeros(B, dtype=torch.int64),
+                parents=torch.tensor([[-1, 0, 0, 1, 2]] * B),
+                tree_ids=torch.randint(0, V, (B, K + 1), generator=g))
+
+
+class _Reads(TorchDispatchMode):
+    """Counts the ops that hand a tensor's value to the host."""
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            self.counts["reads"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_repeated_call_reuses_its_plan(monkeypatch):
+    x = _inputs()
+    built = []
+    plan = chain._chain_plan
+    monkeypatch.setattr(chain, "_chain_plan", lambda *a: built.append(1) or plan(*a))
+    monkeypatch.setattr(chain, "_CHAIN_PLANS", {})
+    call = lambda t: sk.verify_chain(x["logits"], x["ids"], draft_probs=x["probs"],  # noqa: E731
+                                     temperature=t, seed=x["seed"], offset=x["offset"])
+    first, second = call(0.7), call(0.7)
+    assert len(built) == 1 and torch.equal(first.output_token_ids, second.output_token_ids)
+    other = call(1.3)  # another Python value: another plan, its own law
+    assert len(built) == 2
+    monkeypatch.setattr(chain, "_CHAIN_PLANS", {})
+    assert torch.equal(other.output_token_ids, call(1.3).output_token_ids)  # = a fresh parse
+
+
+def test_a_plan_still_checks_every_call_s_values():
+    """The plan keeps host checks, never tensor values: a bad id on a repeated structure is
+    still the contract's error, and a bad Python number still its own."""
+    x = _inputs()
+    for _ in range(2):
+        sk.verify_chain(x["logits"], x["ids"], temperature=0.5, seed=x["seed"])
+    bad = x["ids"].clone()
+    bad[1, 2] = V
+    with pytest.raises(ValueError, match=r"^draft_token_ids: expected ids in \[0, 20\).* at "
+                                         r"\[1, 2\]"):
+        sk.verify_chain(x["logits"], bad, temperature=0.5, seed=x["seed"])
+    with pytest.raises(ValueError, match="^seed: expected a 64-bit integer"):
+        sk.verify_chain(x["logits"], x["ids"], temperature=0.5, seed=2**64)
+    sk.sample(x["logits"][:, 0], temperature=torch.ones(B), seed=x["seed"])
+    with pytest.raises(ValueError, match="^temperature: expected finite values >= 0"):
+        sk.sample(x["logits"][:, 0], temperature=-torch.ones(B), seed=x["seed"])
+
+
+def _validated_calls(x):
+    t, p = torch.full((B,), 0.8), torch.full((B,), 0.9)
+    return {
+        "verify_chain": lambda: sk.verify_chain(
+            x["logits"], x["ids"], draft_probs=x["probs"], num_draft_tokens=torch.full((B,), 2),
+            temperature=t, top_p=p, seed=x["seed"], offset=x["offset"]),
+        "verify_chain_packed": lambda: sk.verify_chain_packed(
+            x["logits"].reshape(-1, V)[:B * K], x["ids"].reshape(-1)[:B * (K - 1)],
+            torch.arange(B + 1) * (K - 1), max_draft_tokens=K, temperature=t, top_p=p,
+            seed=x["seed"], offset=x["offset"]),
+        "verify_tree": lambda: sk.verify_tree(
+            x["logits"], x["tree_ids"], x["parents"], num_nodes=torch.full((B,), 4),
+            temperature=t, top_p=p, seed=x["seed"], offset=x["offset"]),
+        "sample": lambda: sk.sample(x["logits"][:, 0], temperature=t, top_p=p, seed=x["seed"],
+                                    offset=x["offset"]),
+    }
+
+
+@pytest.mark.parametrize("op", ["verify_chain", "verify_chain_packed", "verify_tree", "sample"])
+def test_a_validated_call_reads_the_host_once(op):
+    """Every value check of a validated call (the parameters' tensors, counts, ids, the tree)
+    in one read of one combined flag: one synchronisation on a GPU, not one per check."""
+    call = _validated_calls(_inputs())[op]
+    call()
+    with _Reads() as reads:
+        call()
+    assert reads.counts["reads"] == 1
+
+
+def test_plans_are_bounded():
+    x = _inputs()
+    for t in range(100):
+        sk.sample(x["logits"][:, 0], temperature=0.01 * (t + 1), seed=x["seed"])
+    assert len(sampling._SAMPLE_PLANS) <= 64 and len(tree._TREE_PLANS) <= 64
+
+
+# The Triton path's launches per call (docs/triton.md), counted in the interpreter: B = 1,
+# K = 4, V = 16 (one chunk per row there).
+LAUNCHES = {
+    "verify_chain, one-hot greedy": {"_row_stats_kernel": 1, "_race_kernel": 1},
+    "verify_chain, draft probs": {"_row_stats_kernel": 1, "_race_kernel": 1},
+    "verify_chain, draft logits, top-p": {"_row_stats_kernel": 2, "_race_kernel": 1},
+    "verify_chain, block, draft probs": {"_row_stats_kernel": 1, "_residual_mass_kernel": 1,
+                                         "_race_kernel": 1},
+    "verify_chain_packed, draft probs": {"_row_stats_kernel": 1, "_race_kernel": 1},
+    "verify_tree, draft probs, chain-shaped": {"_row_stats_kernel": 1, "_tree_walk_kernel": 1},
+    "sample, temperature 1": {"_row_stats_kernel": 1, "_race_kernel": 1},
+}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="counts launches in Triton's interpreter (TRITON_INTERPRET=1)")
+def test_triton_launches_per_call_are_the_documented_ones():
+    from bench.ops import host
+    assert host.triton_launches() == LAUNCHES
+
+
+def test_the_host_bench_runs(tmp_path):
+    from bench.ops import host
+    result = host.run(rounds=1, calls=1, profile_calls=2)
+    rows = {(r["op"], r["mode"]) for r in result["rows"]}
+    assert ("torch op", "softmax + argmax") in rows
+    assert ("verify_chain", "draft logits, top-p, validate=True") in rows
+    assert any(r["adapter"] for r in result["rows"]) and result["profiles"]
