@@ -97,7 +97,8 @@ class ClosedLoop(ArrivalList):
         _check_pool(pool)
         if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
             raise ValueError(f"clients: expected an int >= 1, got {clients!r}")
-        if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not duration > 0:
+        if (isinstance(duration, bool) or not isinstance(duration, (int, float))
+                or not duration > 0):
             raise ValueError(f"duration: expected seconds > 0, got {duration!r}")
         if isinstance(think, bool) or not isinstance(think, (int, float)) or not think >= 0:
             raise ValueError(f"think: expected seconds >= 0, got {think!r}")

@@ -7,9 +7,9 @@ is then pending and it decodes from that step on, like every other row. (Fusing 
 decode step's forward would save a forward per admission at the price of a mixed
 prefill/verify step; the separate forward is the simpler exact choice.)
 
-The cache is one :class:`SlotPool`: per layer ``[R, H, capacity, D]`` with the live requests
-in rows ``0..n-1``, so each step's :class:`~.model.SlotCache` is a view of the first ``n``
-rows (no copy) and the decode step is :func:`~.engine.generate`'s. A finished request's row
+The cache is one :class:`~.pool.SlotPool`: per layer ``[R, H, capacity, D]`` with the live
+requests in rows ``0..n-1``, so each step's :class:`~.model.SlotCache` is a view of the first
+``n`` rows (no copy) and the decode step is :func:`~.engine.generate`'s. A finished request's row
 is given to the last live one (one row copied), so freed rows are reused by the next
 arrivals; the pool grows (doubling) only when no row is free.
 
