@@ -239,7 +239,7 @@ def check_sampling(sm, batch: int, vocab: int, device) -> None:
         if mask.shape[0] < batch or mask.shape[1] != vocab:
             raise ValueError(f"allowed_token_ids_mask: expected shape [>= {batch}, {vocab}], "
                              f"got {list(mask.shape)}")
-    _check_feature_ids(sm, batch, vocab, penalised or bool(bad_words))
+    _check_feature_ids(sm, batch, vocab, penalised)
 
 
 def check_per_request(value, name: str, batch: int, device, *, real: bool = False) -> None:
@@ -278,7 +278,9 @@ def _check_token_ids(ids, name: str, vocab: int, where: str, low: int = 0,
 
 def _check_feature_ids(sm, batch: int, vocab: int, with_history: bool) -> None:
     """The token ids the features write at (bad words, logit bias, min tokens' stop tokens)
-    and read (the histories): host lists, all checked before any row is written."""
+    and, ``with_history`` (penalties: the ids are counted, a negative one would count as token
+    0), read: host lists, all checked before any row is written. Bad words only compare the
+    histories, so any id is harmless there."""
     if with_history:
         for name, lists, low in (("output_token_ids", getattr(sm, "output_token_ids", None), -1),
                                  ("spec_token_ids", getattr(sm, "spec_token_ids", None), -1)):
