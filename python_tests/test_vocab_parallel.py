@@ -130,8 +130,8 @@ def _job_equal(rank, world):
             start, width = spans[rank]
             shard = vp.VocabShard(start, vocab)
             for variant in range(7):
-                if world == 4 and variant not in (1, 2, 5, 6):
-                    continue  # P = 4: the variants that together hold every parameter
+                if world >= 3 and variant not in (1, 2, 5, 6):
+                    continue  # P = 3, 4: the variants that together hold every parameter
                 for kind_index, kind in enumerate(("none", "probs", "logits")):
                     # Every variant meets both methods across the draft kinds (not all
                     # pairs: 4 processes share 2 cores); the packed layout runs with one-hot

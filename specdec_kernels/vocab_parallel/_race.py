@@ -15,7 +15,7 @@ mass is itself a reduction), and round 2 races the one each row chooses.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -93,7 +93,7 @@ def sharded_race(comm: Comm, layout: Layout, variants: Sequence[torch.Tensor],
         gathered = comm.gather(parts)
         any_positive = gathered[0].amax(0) > 0
         chosen = choose(any_positive)
-        winners = [_combine_groups(comm, layout, g, group_noise, variants[0].dtype)
+        winners = [_combine_groups(comm.layouts, g, group_noise, variants[0].dtype)
                    for g in gathered[1:]]
         winner = torch.stack(winners, -1).gather(1, chosen[:, None])[:, 0]
     else:
@@ -163,10 +163,10 @@ def _shared_slots(layout: Layout):
     return first, last
 
 
-def _combine_groups(comm: Comm, layout_unused, g: torch.Tensor, group_noise: torch.Tensor,
+def _combine_groups(layouts: Sequence[Layout], g: torch.Tensor, group_noise: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
-    """The winning group ``[B]`` from every rank's ``[P, B, 4]`` group summary."""
-    layouts = comm.layouts
+    """The winning group ``[B]`` from every rank's ``[P, B, 4]`` group summary (``layouts``:
+    the ranks' shards in shard order)."""
     scores = [g[r, :, 0] for r in range(len(layouts))]
     ids = [g[r, :, 1] for r in range(len(layouts))]
     shared: dict = {}

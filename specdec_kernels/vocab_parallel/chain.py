@@ -10,7 +10,6 @@ only with top-p) and the renormaliser (only with a filter); block's residual mas
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
