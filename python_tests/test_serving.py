@@ -406,3 +406,27 @@ def test_adaptive_draft_cost_is_charged_per_step(tiny, loop, monkeypatch):
     else:
         drafting = _staggered(tiny, spec, requests).stats.profile["drafting"]
     assert len(told) > 10 and sum(told) <= drafting + 1e-6
+
+
+@pytest.mark.parametrize("load_aware", [False, True])
+def test_probes_fade_with_the_load(load_aware):
+    """At batch 16 with rows costing in proportion, the load-aware policy's probes of a step
+    cost at most one request's share (one probe of 4 rows here, the longest idle first; the
+    others wait for the next probe step); generate's policy probes every due request."""
+    policy = AdaptiveLength(16, 8, load_aware=load_aware)
+    for rows, seconds in ((16, 1.0), (32, 2.0), (80, 5.0)) * 4:
+        policy.observe_cost(rows, seconds)
+    for b in range(16):
+        for _ in range(4):
+            policy.observe(b, 4, 0)              # nothing lands: every choice is plain
+    probed = []
+    for _ in range(8):
+        lengths = policy.choose([8] * 16)
+        probed.append([b for b, k in enumerate(lengths) if k])
+        for b in probed[-1]:
+            policy.observe(b, lengths[b], 0)
+    assert probed[:3] == [[], [], []] and probed[4:7] == [[], [], []]
+    if load_aware:
+        assert len(probed[3]) == 1 and len(probed[7]) == 1 and probed[3] != probed[7]
+    else:
+        assert len(probed[3]) == 16

@@ -224,11 +224,28 @@ class AdaptiveLength:
             if self.idle[b] >= self.gap[b] and probe_step:
                 due.append(b)
         length = self.current_probe_length()
+        if self.load_aware and len(due) > 1:
+            due = self._affordable(due, best_lengths, caps, length)
         for b in due:
             self.idle[b] = 0
             self.probing[b] = True
             best_lengths[b] = min(length, caps[b])
         return best_lengths
+
+    def _affordable(self, due, lengths, caps, length) -> list:
+        """The due probes (longest idle first) whose rows together cost at most one request's
+        share of the step (at batch 1 a whole step; at 16 a sixteenth); at least one. The
+        others stay due for the next probe step: probes fade with the load too."""
+        rows = len(lengths) + sum(lengths)
+        base = self.verify_seconds(rows)
+        chosen, extra = [], 0
+        for b in sorted(due, key=lambda b: -self.idle[b]):
+            k = min(length, caps[b])
+            if chosen and self.verify_seconds(rows + extra + k) - base > base / len(lengths):
+                break
+            chosen.append(b)
+            extra += k
+        return chosen
 
     def current_probe_length(self) -> int:
         """``probe_length`` while probes find agreement, shorter as they fail (the batch's
