@@ -11,6 +11,9 @@ time) of the headline calls, and the C++ op alone (``torch.ops.specdec.cpu_verif
 parsed arguments: the op's own fixed cost, with no Python around it).
 
     python -m bench.ops.host --out bench/results/cpu-2026-12-07   # writes host.json
+
+Under ``TRITON_INTERPRET=1`` it also counts the Triton path's launches per call in each mode
+and times its launchers with a launch-only mock (``triton_launches``, ``triton_host``).
 """
 from __future__ import annotations
 
@@ -209,27 +212,54 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     result = run(args.rounds, args.calls)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        result["triton_launches"] = triton_launches()
+        result["triton_host_launch_mocked"] = triton_host(args.rounds, args.calls)
     result["load_average_before"] = load_before
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.stem}.json").write_text(json.dumps(result, indent=1))
     print(markdown(result))
     for name, lines in result["profiles"].items():
         print(f"\n{name}\n" + "\n".join(lines))
+    for name in ("triton_launches", "triton_host_launch_mocked"):
+        if name in result:
+            print(f"\n{name}: " + json.dumps(result[name], indent=1))
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+
+def _patch_kernels(make):
+    """Replaces every ``*_kernel`` of ``specdec_kernels.triton`` (in every module that holds
+    it) by ``make(name, kernel)``; returns the function that puts them back."""
+    import importlib  # noqa: PLC0415
+    import pkgutil  # noqa: PLC0415
+    import specdec_kernels.triton as package  # noqa: PLC0415
+    modules = [importlib.import_module(f"{package.__name__}.{info.name}")
+               for info in pkgutil.iter_modules(package.__path__)]
+    kernels = {}
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            if name.endswith("_kernel") and getattr(getattr(value, "fn", None), "__module__",
+                                                    None) == module.__name__:
+                kernels[name] = value
+    patched = []
+    for module in modules:
+        for name, kernel in kernels.items():
+            if getattr(module, name, None) is kernel:
+                setattr(module, name, make(name, kernel))
+                patched.append((module, name, kernel))
+
+    def restore():
+        for module, name, kernel in patched:
+            setattr(module, name, kernel)
+    return restore
 
 
 def triton_launches() -> dict:
     """Kernel launches per call of each mode on the Triton backend, counted by wrapping every
     ``*_kernel`` of ``specdec_kernels.triton`` (needs ``TRITON_INTERPRET=1`` on CPU; there a
-    row is one chunk, so the split-row merge launches of a GPU run do not appear)."""
-    import importlib  # noqa: PLC0415
-    import pkgutil  # noqa: PLC0415
+    row is one chunk, so the split-row launches of a GPU run do not appear)."""
     import collections  # noqa: PLC0415
-    import specdec_kernels.triton as package  # noqa: PLC0415
     counts: collections.Counter = collections.Counter()
 
     class Counted:
@@ -243,33 +273,57 @@ def triton_launches() -> dict:
         def __getattr__(self, attr):
             return getattr(self.kernel, attr)
 
-    originals = []
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        for name, value in list(vars(module).items()):
-            if name.endswith("_kernel") and getattr(getattr(value, "fn", None), "__module__",
-                                                    None) == module.__name__:
-                originals.append((module, name, value))
-    for module, name, value in originals:  # every module's reference to the kernel
-        for other, _, _ in originals:
-            if getattr(other, name, None) is value:
-                setattr(other, name, Counted(name, value))
-    x = _inputs()
+    restore = _patch_kernels(Counted)
     result = {}
     try:
-        for (op, mode), fn in public_calls(x).items():
-            import specdec_kernels as sk  # noqa: PLC0415, F401
+        for (op, mode), fn in public_calls(_inputs()).items():
             call = _with_backend(fn, "triton")
             call(False)
             counts.clear()
             call(False)
             result[f"{op}, {mode}"] = dict(counts)
     finally:
-        for module, name, value in originals:
-            for other, _, _ in originals:
-                if isinstance(getattr(other, name, None), Counted):
-                    setattr(other, name, value)
+        restore()
     return result
+
+
+def triton_host(rounds: int = 9, calls: int = 20) -> dict:
+    """Host time of the Triton path's launchers (argument binding, grids, allocations) with a
+    launch-only mock: every kernel's launch does nothing (the outputs are then garbage), so
+    what is timed is the Python from the public call to the launches, beside the torch op.
+    Needs ``TRITON_INTERPRET=1`` on CPU tensors."""
+    class NoLaunch:
+        def __init__(self, name, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+        def __getattr__(self, attr):
+            return getattr(self.kernel, attr)
+
+    x = _inputs()
+    rows = {"torch op": lambda: torch.softmax(x["logits"], -1).argmax(-1)}
+    restore = _patch_kernels(NoLaunch)
+    try:
+        for (op, mode), fn in public_calls(x).items():
+            rows[f"{op}, {mode}, validate=False"] = \
+                (lambda f: lambda: f(False))(_with_backend(fn, "triton"))
+        for fn in rows.values():
+            fn()
+        times = {key: [] for key in rows}
+        for _ in range(rounds):
+            for key, fn in rows.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[key].append((time.perf_counter() - start) / calls)
+    finally:
+        restore()
+    torch_us = statistics.median(times["torch op"]) * 1e6
+    return {key: {"us": round(statistics.median(v) * 1e6, 1),
+                  "ratio_to_torch_op": round(statistics.median(v) * 1e6 / torch_us, 2)}
+            for key, v in times.items()}
 
 
 def _with_backend(fn, backend: str):
@@ -289,3 +343,7 @@ def _with_backend(fn, backend: str):
             for n, f in originals.items():
                 setattr(sk, n, f)
     return call
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
