@@ -953,3 +953,35 @@ def test_vllm_law_catches_the_stand_in_ignoring_the_bitmask(monkeypatch):
     tokens, law = _invalid_draft_law_round(LAW_BATCH, torch.Generator().manual_seed(31),
                                            "bitmask")
     assert _law_pvalue(tokens, law) < ALPHA, "the chi-square test missed the bitmask ignored"
+
+
+def test_vllm_async_placeholders_in_the_host_lists_keep_the_real_drafts():
+    """vLLM's async scheduler leaves -1 placeholders in ``spec_token_ids`` while
+    ``draft_token_ids`` holds the real drafts (it refreshes the host lists only for structured
+    output, penalties and bad words): with draft probabilities and a masked vocabulary, the
+    call gives the tokens of the same call with the real host lists, not a forbidden stand-in
+    in place of draft 1."""
+    metadata, logits, draft_probs = _vllm_problem([3, 2, 1], seed=12)
+    logits[:, 0] = -math.inf  # a masked token in every row: the stand-ins' candidates
+    real = [metadata.draft_token_ids[s:e].tolist() for s, e in ((0, 3), (3, 5), (5, 6))]
+    outs = []
+    for spec in (real, [[-1] * len(d) for d in real]):
+        sampling = vllm.SamplingMetadata(temperature=torch.ones(3), all_greedy=False,
+                                         all_random=True, spec_token_ids=spec)
+        outs.append(vllm.rejection_sample(metadata, draft_probs, logits.clone(), sampling,
+                                          seed=torch.tensor([3, 4, 5]), validate=False))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("spec", [[7, 8, 9], [[1, 2, 3]], torch.zeros(3, 3)])
+def test_vllm_malformed_spec_token_ids_with_probs_raise_before_any_write(spec):
+    metadata, logits, draft_probs = _vllm_problem([3, 2, 1], seed=13)
+    mask = torch.zeros(3, logits.shape[1], dtype=torch.bool)
+    mask[:, :2] = True
+    sampling = vllm.SamplingMetadata(temperature=torch.ones(3), all_greedy=False,
+                                     all_random=True, allowed_token_ids_mask=mask,
+                                     spec_token_ids=spec)
+    before = logits.clone()
+    with pytest.raises(ValueError, match="^spec_token_ids"):
+        vllm.rejection_sample(metadata, draft_probs, logits, sampling, seed=0, validate=False)
+    assert torch.equal(logits, before)

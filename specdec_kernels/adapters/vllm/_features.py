@@ -80,7 +80,9 @@ def stand_ins_for_invalid_drafts(step: Step, rows, draft_probs, sm, bitmask=None
     its row forbids -- logit ``-inf``, or a 0 bit in ``bitmask`` (the packed rows' grammar)
     -- surely rejected, the same residual; a row that forbids none keeps ``-1`` (the kernel
     then samples ``p``). One-hot drafters need nothing: their residual is ``p``. Device ops
-    on the few rows concerned, no synchronisation."""
+    on the few rows concerned, no synchronisation. The host list only says which rows to
+    look at: a position is replaced only where its device id is ``-1`` too (vLLM's async
+    scheduler leaves ``-1`` placeholders in the host lists of real drafts)."""
     spec = getattr(sm, "spec_token_ids", None)
     if draft_probs is None or not isinstance(spec, (list, tuple)) or len(spec) < step.batch:
         return step.draft_token_ids
@@ -104,7 +106,10 @@ def stand_ins_for_invalid_drafts(step: Step, rows, draft_probs, sm, bitmask=None
     lowest, token = concerned.min(-1)
     stand_in = torch.where(torch.isneginf(lowest), token, PLACEHOLDER_TOKEN_ID)
     ids = step.draft_token_ids.clone()
-    ids[to_device(packed, device)] = stand_in.to(ids.dtype)
+    positions = to_device(packed, device)
+    current = ids[positions]
+    ids[positions] = torch.where(current == PLACEHOLDER_TOKEN_ID, stand_in.to(ids.dtype),
+                                 current)
     return ids
 
 

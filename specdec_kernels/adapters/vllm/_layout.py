@@ -95,6 +95,14 @@ def parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask) 
         _params.check_token_bitmask(token_bitmask, [logits.shape[0]], vocab, device,
                                     "[rows of logits, ceil(V/32)]")
     check_sampling(sampling_metadata, batch, vocab, device)
+    if draft_probs is not None:  # its -1 drafts are found from the host lists
+        spec = getattr(sampling_metadata, "spec_token_ids", None)
+        if spec is not None and (isinstance(spec, torch.Tensor) or len(spec) < batch or any(
+                not isinstance(spec[b], (list, tuple)) for b in range(batch))):
+            raise ValueError(f"spec_token_ids: expected one host list of draft ids per "
+                             f"request ({batch}) with draft_probs, got "
+                             f"{type(spec).__name__}" + ("" if isinstance(spec, torch.Tensor)
+                                                         else f" of length {len(spec)}"))
     max_num_logprobs = getattr(sampling_metadata, "max_num_logprobs", None)
     if max_num_logprobs is not None and (isinstance(max_num_logprobs, bool) or not isinstance(
             max_num_logprobs, numbers.Integral) or not 0 <= max_num_logprobs <= vocab):
