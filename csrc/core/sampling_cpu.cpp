@@ -123,15 +123,6 @@ float row_prob(const RowView& row, const RowStats& stats, int64_t token) {
   return baseline::view_prob(row, stats, token);
 }
 
-Filters RequestParams::filters(int64_t b) const {
-  Filters f;
-  f.temperature = temperature[b];
-  f.top_k = top_k[b];
-  f.top_p = top_p[b];
-  f.min_p = min_p != nullptr ? min_p[b] : 0.0f;
-  return f;
-}
-
 void verify_chain(const ChainArgs& args, int64_t begin, int64_t end) {
   SPECDEC_DISPATCH(verify_chain_impl, args, begin, end);
 }

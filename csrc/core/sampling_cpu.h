@@ -113,7 +113,9 @@ struct RequestParams {
   const float* min_p;        // [B] or null
   const int64_t* seed;       // [B]
   const int64_t* offset;     // [B]
-  Filters filters(int64_t b) const;
+  Filters filters(int64_t b) const {  // request b's filters
+    return Filters{temperature[b], top_k[b], top_p[b], min_p != nullptr ? min_p[b] : 0.0f};
+  }
 };
 
 // return_logprobs (contract section 9): float32 log p of each emitted token at its row, NaN

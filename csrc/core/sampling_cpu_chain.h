@@ -1,18 +1,9 @@
 // verify_chain (token rule and block verification), sample and processed_probs.
-// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
-// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
-
-// Block verification's w_j = min(1, w_{j-1} * p_j(d_j) / q_j(d_j)) (reference
-// sequence_weight: 1 when the numerator reaches q, also for q = 0 with a positive numerator).
-SPECDEC_INLINE float sequence_weight(float previous, float target, float draft) {
-  const float numerator = previous * target;
-  return numerator >= draft ? (numerator > 0.0f ? 1.0f : 0.0f) : numerator / draft;
-}
-// h = R / (R + (1 - w)), 1 when that denominator is 0 (reference rejection_weight).
-SPECDEC_INLINE float rejection_weight(float mass, float weight) {
-  const float denominator = mass + (1.0f - weight);
-  return denominator > 0.0f ? mass / denominator : 1.0f;
-}
+// A part of the CPU sampling path's bodies: see sampling_cpu_body.h. Not a public header.
+#ifndef SPECDEC_CPU_PART_CHAIN
+#define SPECDEC_CPU_PART_CHAIN
+#include "sampling_cpu_filters.h"
+#include "sampling_cpu_race.h"
 
 // One request after another. Token rule: row j's statistics, p(d_j), q(d_j), the test; stop
 // at the first rejection. Block verification (sampled requests): every live row is read (all
@@ -182,3 +173,5 @@ SPECDEC_INLINE void processed_probs_body(const ProbsArgs& a, int64_t begin, int6
     write_probs(view, s, a.probs + r * a.vocab);
   }
 }
+
+#endif  // SPECDEC_CPU_PART_CHAIN

@@ -1,5 +1,6 @@
 // Defines the entry points of sampling_cpu.h's ops in namespace SPECDEC_ISA from the bodies,
-// for sampling_cpu.cpp and sampling_cpu_avx512.cpp (see sampling_cpu_body.h).
+// for sampling_cpu.cpp, sampling_cpu_avx2.cpp and sampling_cpu_avx512.cpp (see
+// sampling_cpu_body.h).
 #include "sampling_cpu_body.h"
 
 void verify_chain_impl(const ChainArgs& args, int64_t begin, int64_t end) {

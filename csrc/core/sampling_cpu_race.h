@@ -1,6 +1,10 @@
-// The two-level race over p or a residual, residual masses and log-probabilities.
-// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
-// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
+// The two-level race over p or a residual, residual masses, block verification's weights
+// and log-probabilities.
+// A part of the CPU sampling path's bodies: see sampling_cpu_body.h. Not a public header.
+#ifndef SPECDEC_CPU_PART_RACE
+#define SPECDEC_CPU_PART_RACE
+#include "sampling_cpu_random.h"
+#include "sampling_cpu_stats.h"
 
 // ---- the two-level race ----
 struct RaceResult {
@@ -172,9 +176,20 @@ SPECDEC_INLINE float residual_mass(const RowView& view, const RowStats& s,
   return mass;
 }
 
-// ---- return_logprobs ----
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+// ---- block verification's weights ----
+// Block verification's w_j = min(1, w_{j-1} * p_j(d_j) / q_j(d_j)) (reference
+// sequence_weight: 1 when the numerator reaches q, also for q = 0 with a positive numerator).
+SPECDEC_INLINE float sequence_weight(float previous, float target, float draft) {
+  const float numerator = previous * target;
+  return numerator >= draft ? (numerator > 0.0f ? 1.0f : 0.0f) : numerator / draft;
+}
+// h = R / (R + (1 - w)), 1 when that denominator is 0 (reference rejection_weight).
+SPECDEC_INLINE float rejection_weight(float mass, float weight) {
+  const float denominator = mass + (1.0f - weight);
+  return denominator > 0.0f ? mass / denominator : 1.0f;
+}
 
+// ---- return_logprobs ----
 // log_softmax of the sanitised row (no bitmask, no filters) at `token`.
 SPECDEC_INLINE float raw_logprob(const RowView& view, int64_t token) {
   RowView plain = view;
@@ -198,3 +213,5 @@ SPECDEC_INLINE float emitted_logprob(Logprobs kind, const RowView& view, const R
   if (kind == Logprobs::kRaw) return raw_logprob(view, token);
   return s.greedy ? 0.0f : std::log(view_prob(view, s, token));
 }
+
+#endif  // SPECDEC_CPU_PART_RACE

@@ -1,6 +1,8 @@
 // Random numbers: Philox-4x32-10 and the streams, uniforms and noise of _rng.py.
-// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
-// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
+// A part of the CPU sampling path's bodies: see sampling_cpu_body.h. Not a public header.
+#ifndef SPECDEC_CPU_PART_RANDOM
+#define SPECDEC_CPU_PART_RANDOM
+#include "sampling_cpu_base.h"
 
 // ---- randomness ----
 SPECDEC_INLINE void philox_round(uint32_t c[4], uint32_t k0, uint32_t k1) {
@@ -49,3 +51,5 @@ SPECDEC_INLINE float noise_of(float u) {
   if (y == 1.0f) return u;
   return -std::log(y) * (u / (1.0f - y));
 }
+
+#endif  // SPECDEC_CPU_PART_RANDOM

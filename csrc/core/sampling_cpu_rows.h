@@ -1,7 +1,9 @@
-// Rows: element loads (NaN and +-inf as -inf, the bitmask), the exp, order-preserving keys,
-// the z-cut as an x-cut, the kept weight and the per-lane sums.
-// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
-// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
+// Rows: element loads (NaN and +-inf as -inf, the bitmask), row views and pointers, the exp,
+// order-preserving keys, the z-cut as an x-cut and the kept weight.
+// A part of the CPU sampling path's bodies: see sampling_cpu_body.h. Not a public header.
+#ifndef SPECDEC_CPU_PART_ROWS
+#define SPECDEC_CPU_PART_ROWS
+#include "sampling_cpu_base.h"
 
 // ---- element loads: NaN and +-inf read as -inf (never sampled) ----
 SPECDEC_INLINE float sanitise(uint32_t bits) {
@@ -78,8 +80,7 @@ SPECDEC_INLINE const uint32_t* allowed_masks(const int32_t* words, int64_t vocab
   ExpandedMask& mask = expanded_mask();
   if (mask.words == words && mask.vocab == vocab) return mask.allowed.data();
   const int64_t count = (vocab + 31) / 32;
-  if (static_cast<int64_t>(mask.allowed.size()) < count * 32) mask.allowed.resize(count * 32);
-  uint32_t* out = mask.allowed.data();
+  uint32_t* out = grow(mask.allowed, count * 32);
   for (int64_t w = 0; w < count; ++w) {
     const uint32_t word = static_cast<uint32_t>(words[w]);
     for (int j = 0; j < 32; ++j) out[w * 32 + j] = 0u - ((word >> j) & 1u);
@@ -218,64 +219,29 @@ struct Keep {
 };
 SPECDEC_INLINE Keep keep_of(const RowStats& s) { return Keep{s.x_max, s.temperature, s.x_lo, s.e_tau}; }
 
-// The largest and the smallest logit, as keys: an integer max reduction vectorises (a float
-// one needs -ffast-math); max -inf for a row with no finite logit, min -inf for a row with a
-// NaN, an infinity or a masked token.
-struct RowRange {
-  float max, min;
-};
-template <class R>
-SPECDEC_INLINE RowRange row_range(const R& row) {
-  uint32_t best = 0, least = 0xFFFFFFFFu;
-  for (int64_t i = 0; i < row.vocab; ++i) {
-    const uint32_t key = sort_key(row(i));
-    best = key > best ? key : best;
-    least = key < least ? key : least;
-  }
-  return RowRange{key_value(best), key_value(least)};
+SPECDEC_INLINE size_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
+
+SPECDEC_INLINE const void* row_pointer(const void* base, Dtype dtype, int64_t row, int64_t vocab) {
+  return static_cast<const char*>(base) + static_cast<size_t>(row * vocab) * element_size(dtype);
 }
 
-// Sum of weight(i) over [begin, end), and whether one is > 0. Blocks of weights go to a
-// local buffer first (a plain store loop, which vectorises whatever weight() is), then into
-// 16 per-lane sums (in a fixed order: the same sum on every build).
-constexpr int64_t kBlock = 256;
-struct BlockSum {
-  float sum;
-  bool any_positive;
-};
-// With `out`, the weights are also written to out[begin, end).
-template <class W>
-SPECDEC_INLINE BlockSum block_sum(const W& weight, int64_t begin, int64_t end,
-                                  float* out = nullptr) {
-  float lane[kLanes] = {}, positive[kLanes] = {};
-  float local[kBlock];
-  int64_t i = begin;
-  for (; i + kBlock <= end; i += kBlock) {
-    float* buffer = out != nullptr ? out + i : local;
-    for (int64_t j = 0; j < kBlock; ++j) buffer[j] = weight(i + j);
-    for (int64_t j = 0; j < kBlock; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        lane[l] += buffer[j + l];
-        positive[l] = buffer[j + l] > 0.0f ? 1.0f : positive[l];
-      }
-    }
-  }
-  float total = 0.0f;
-  bool any_positive = false;
-  for (; i < end; ++i) {
-    const float w = weight(i);
-    if (out != nullptr) out[i] = w;
-    total += w;
-    any_positive |= w > 0.0f;
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    total += lane[l];
-    any_positive |= positive[l] != 0.0f;
-  }
-  return BlockSum{total, any_positive};
+// Row `row` of [R, V] logits and of their [R, ceil(V/32)] bitmask (or none).
+SPECDEC_INLINE RowView logits_row(const void* base, Dtype dtype, int64_t row, int64_t vocab,
+                                  const int32_t* bitmask) {
+  return RowView{row_pointer(base, dtype, row, vocab), dtype, vocab,
+                 bitmask ? bitmask + row * ((vocab + 31) / 32) : nullptr};
 }
 
-template <class W>
-SPECDEC_INLINE float lane_sum(const W& weight, int64_t begin, int64_t end, float* out = nullptr) {
-  return block_sum(weight, begin, end, out).sum;
+SPECDEC_INLINE float raw_element(const void* base, Dtype dtype, int64_t index) {
+  switch (dtype) {
+    case Dtype::kFloat32:
+      return Elem<Dtype::kFloat32>::raw(static_cast<const uint32_t*>(base)[index]);
+    case Dtype::kBFloat16:
+      return Elem<Dtype::kBFloat16>::raw(static_cast<const uint16_t*>(base)[index]);
+    case Dtype::kFloat16:
+      return Elem<Dtype::kFloat16>::raw(static_cast<const uint16_t*>(base)[index]);
+  }
+  return 0.0f;
 }
+
+#endif  // SPECDEC_CPU_PART_ROWS

@@ -1,6 +1,8 @@
 // The threshold search of top-k and top-p: a radix search over keys (histograms, no sort).
-// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
-// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
+// A part of the CPU sampling path's bodies: see sampling_cpu_body.h. Not a public header.
+#ifndef SPECDEC_CPU_PART_SEARCH
+#define SPECDEC_CPU_PART_SEARCH
+#include "sampling_cpu_rows.h"
 
 // ---- the threshold search (radix over keys, no sort) ----
 // Levels of the key: bits 31..21, 20..10, 9..0.
@@ -136,15 +138,10 @@ template <class FloorKey>
 SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double target,
                                      double target_fraction, const FloorKey& floor_key,
                                      uint32_t& threshold_key) {
-  if (scratch.candidate_keys.size() < static_cast<size_t>(vocab)) {
-    scratch.candidate_keys.resize(vocab);
-    scratch.candidate_weights.resize(vocab);
-    scratch.candidate_index.resize(vocab);
-  }
   const uint32_t* all_keys = scratch.keys.data();
   const float* all_weights = scratch.weights.data();
-  uint32_t* keys = scratch.candidate_keys.data();
-  float* weights = scratch.candidate_weights.data();
+  uint32_t* keys = grow(scratch.candidate_keys, vocab);
+  float* weights = grow(scratch.candidate_weights, vocab);
   double above = 0.0;
   int top = -1;
   bool searched = false;
@@ -159,7 +156,7 @@ SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double tar
     // other builds run the full level: the same answer.
     const uint32_t key_floor = floor_key(static_cast<float>(
         0.5 * (1.0 - target_fraction) * total / static_cast<double>(vocab))) & ~0x1FFFFFu;
-    uint32_t* index = scratch.candidate_index.data();
+    uint32_t* index = grow(scratch.candidate_index, vocab);
     const int64_t kept = keep_from_key(all_keys, all_weights, vocab, key_floor, keys, weights,
                                        index);
     top = first_level(scratch, keys, weights, kept, index, target, above);
@@ -271,3 +268,5 @@ SPECDEC_INLINE void fill_candidates(const R& row, const Keep& keep, Scratch& scr
     weights[i] = x >= keep.x_lo ? value : 0.0f;
   }
 }
+
+#endif  // SPECDEC_CPU_PART_SEARCH

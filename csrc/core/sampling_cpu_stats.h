@@ -1,130 +1,70 @@
-// A row's statistics (x_max, the cuts, norm), p of a token, and the row views of the ops.
-// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
-// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
+// Row statistics as the passes read them: a row's range, its per-lane sums, and p of a
+// processed row from its RowStats (one token, a weight functor, the written row).
+// A part of the CPU sampling path's bodies: see sampling_cpu_body.h. Not a public header.
+#ifndef SPECDEC_CPU_PART_STATS
+#define SPECDEC_CPU_PART_STATS
+#include "sampling_cpu_rows.h"
 
-template <class F>
-SPECDEC_INLINE void with_flag(bool flag, F&& body) {
-  if (flag) {
-    body(std::true_type{});
-  } else {
-    body(std::false_type{});
-  }
-}
-
-// The norm pass: the sum of the kept e, written to out. Without a cut (no top-k, min-p or
-// top-p) keep.weight's two selects keep every e (e >= 0 and x >= -inf: x is never NaN), so
-// they are left out: the same values.
-template <bool Unit, bool Clean, bool Cut, class R>
-SPECDEC_INLINE float kept_sum(const R& row, const Keep& keep, float* out) {
-  return lane_sum(
-      [keep, row](int64_t i) SPECDEC_INLINE_LAMBDA {
-        const float x = row(i);
-        return Cut ? keep.weight<Unit, Clean>(x) : keep.e_of<Unit, Clean>(x);
-      },
-      0, row.vocab, out);
-}
-
+// The largest and the smallest logit, as keys: an integer max reduction vectorises (a float
+// one needs -ffast-math); max -inf for a row with no finite logit, min -inf for a row with a
+// NaN, an infinity or a masked token.
+struct RowRange {
+  float max, min;
+};
 template <class R>
-SPECDEC_INLINE RowStats stats_of(const R& row, const Filters& filters, Scratch& scratch) {
-  RowStats s;
-  const int64_t vocab = row.vocab;
-  s.temperature = filters.temperature;
-  s.greedy = filters.temperature == 0.0f;
-  const RowRange range = row_range(row);
-  s.x_max = range.max;
-  s.has_finite = s.x_max > -kInf;
-  s.z_lo = -kInf;
-  s.x_lo = -kInf;  // no cut until the filters set one (also on the early returns)
-  s.e_tau = 0.0f;
-  s.norm = 1.0f;
-  if (!s.has_finite) return s;
-  if (s.greedy) {
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (row(i) == s.x_max) {
-        s.argmax = i;
-        break;
+SPECDEC_INLINE RowRange row_range(const R& row) {
+  uint32_t best = 0, least = 0xFFFFFFFFu;
+  for (int64_t i = 0; i < row.vocab; ++i) {
+    const uint32_t key = sort_key(row(i));
+    best = key > best ? key : best;
+    least = key < least ? key : least;
+  }
+  return RowRange{key_value(best), key_value(least)};
+}
+
+// Sum of weight(i) over [begin, end), and whether one is > 0. Blocks of weights go to a
+// local buffer first (a plain store loop, which vectorises whatever weight() is), then into
+// 16 per-lane sums (in a fixed order: the same sum on every build).
+constexpr int64_t kBlock = 256;
+struct BlockSum {
+  float sum;
+  bool any_positive;
+};
+// With `out`, the weights are also written to out[begin, end).
+template <class W>
+SPECDEC_INLINE BlockSum block_sum(const W& weight, int64_t begin, int64_t end,
+                                  float* out = nullptr) {
+  float lane[kLanes] = {}, positive[kLanes] = {};
+  float local[kBlock];
+  int64_t i = begin;
+  for (; i + kBlock <= end; i += kBlock) {
+    float* buffer = out != nullptr ? out + i : local;
+    for (int64_t j = 0; j < kBlock; ++j) buffer[j] = weight(i + j);
+    for (int64_t j = 0; j < kBlock; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        lane[l] += buffer[j + l];
+        positive[l] = buffer[j + l] > 0.0f ? 1.0f : positive[l];
       }
     }
-    return s;
   }
-  const float temperature = s.temperature;
-  const bool use_top_k = filters.top_k > 0 && filters.top_k < vocab;
-  const bool use_top_p = filters.top_p < 1.0f;
-  if (filters.min_p > 0.0f) {  // z >= max(z) + log(min_p), min_p above 1 counting as 1
-    const float log_min_p = std::log(filters.min_p < 1.0f ? filters.min_p : 1.0f);
-    s.z_lo = s.x_max / temperature + log_min_p;
+  float total = 0.0f;
+  bool any_positive = false;
+  for (; i < end; ++i) {
+    const float w = weight(i);
+    if (out != nullptr) out[i] = w;
+    total += w;
+    any_positive |= w > 0.0f;
   }
-  if (use_top_k || use_top_p) {
-    if (scratch.keys.size() < static_cast<size_t>(vocab)) {
-      scratch.keys.resize(vocab);
-      scratch.weights.resize(vocab);
-    }
+  for (int l = 0; l < kLanes; ++l) {
+    total += lane[l];
+    any_positive |= positive[l] != 0.0f;
   }
-  uint32_t key = 0;
-  const auto no_floor = [](float) SPECDEC_INLINE_LAMBDA { return 0u; };
-  if (use_top_k) {  // the k-th largest logit, ties kept: z >= z(x_k)
-    fill_candidates<false>(row, Keep{s.x_max, temperature, -kInf, 0.0f}, scratch);
-    if (search_threshold(scratch, vocab, static_cast<double>(filters.top_k), 0.0, no_floor,
-                         key)) {
-      const float z_k = key_value(key) / temperature;
-      s.z_lo = z_k > s.z_lo ? z_k : s.z_lo;
-    }
-  }
-  s.x_lo = cut_of(s.z_lo, temperature);
-  Keep keep = keep_of(s);
-  const bool unit = temperature == 1.0f;
-  // Clean: every (x - x_max) / T in [kNormalExpMin, 0] (division and subtraction round
-  // monotonically, so the smallest x bounds them all; T > 0, which an unvalidated temperature
-  // tensor may not be): the exp passes take normal_exp.
-  const bool clean =
-      range.min > -kInf && temperature > 0.0f &&
-      (unit ? range.min - s.x_max : (range.min - s.x_max) / temperature) >= kNormalExpMin;
-  // The next cache slot (two in turn: the race after a rejection needs the target row's and
-  // the draft row's, the last two computed).
-  CachedRow& slot = scratch.cached[scratch.generation & 1];
-  slot.generation = ++scratch.generation;
-  if (slot.weights.size() < static_cast<size_t>(vocab)) slot.weights.resize(vocab);
-  s.cache = &slot;
-  s.cache_generation = slot.generation;
-  if (use_top_p) {  // the largest e whose kept mass reaches top_p of the top-k/min-p set
-    with_flag(unit, [&](auto unit_flag) {
-      constexpr bool kUnit = decltype(unit_flag)::value;
-      if (clean) {
-        fill_candidates<true, kUnit, true>(clean_row(row), keep, scratch);
-      } else {
-        fill_candidates<true, kUnit, false>(row, keep, scratch);
-      }
-    });
-    // A hint for the search: the key of x with e(x) = e (0, no hint, where that is not finite).
-    const float x_max = s.x_max;
-    const auto floor_key = [x_max, temperature](float e) SPECDEC_INLINE_LAMBDA {
-      const float x = x_max + temperature * std::log(e);
-      return x > -kInf && x <= x_max ? sort_key(x) : 0u;
-    };
-    if (search_threshold(scratch, vocab, 0.0, static_cast<double>(filters.top_p), floor_key,
-                         key)) {
-      s.e_tau = keep.e(key_value(key));
-    }
-    // norm from the weights the search left (e where x >= x_lo, else 0): keep.weight's values
-    // in the same order, without a second exp pass.
-    const float* weights = scratch.weights.data();
-    const float e_tau = s.e_tau;
-    s.norm = lane_sum(
-        [weights, e_tau](int64_t i) SPECDEC_INLINE_LAMBDA {
-          return weights[i] >= e_tau ? weights[i] : 0.0f;
-        },
-        0, vocab, slot.weights.data());
-    return s;
-  }
-  float* out = slot.weights.data();
-  with_flag(unit, [&](auto unit_flag) {
-    with_flag(s.x_lo > -kInf, [&](auto cut_flag) {
-      constexpr bool kUnit = decltype(unit_flag)::value, kCut = decltype(cut_flag)::value;
-      s.norm = clean ? kept_sum<kUnit, true, kCut>(clean_row(row), keep, out)
-                     : kept_sum<kUnit, false, kCut>(row, keep, out);
-    });
-  });
-  return s;
+  return BlockSum{total, any_positive};
+}
+
+template <class W>
+SPECDEC_INLINE float lane_sum(const W& weight, int64_t begin, int64_t end, float* out = nullptr) {
+  return block_sum(weight, begin, end, out).sum;
 }
 
 template <class R>
@@ -167,37 +107,6 @@ SPECDEC_INLINE void with_probs(const RowView& view, const RowStats& s, F&& body)
   });
 }
 
-SPECDEC_INLINE size_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
-
-SPECDEC_INLINE const void* row_pointer(const void* base, Dtype dtype, int64_t row, int64_t vocab) {
-  return static_cast<const char*>(base) + static_cast<size_t>(row * vocab) * element_size(dtype);
-}
-
-// Row `row` of [R, V] logits and of their [R, ceil(V/32)] bitmask (or none).
-SPECDEC_INLINE RowView logits_row(const void* base, Dtype dtype, int64_t row, int64_t vocab,
-                                  const int32_t* bitmask) {
-  return RowView{row_pointer(base, dtype, row, vocab), dtype, vocab,
-                 bitmask ? bitmask + row * ((vocab + 31) / 32) : nullptr};
-}
-
-SPECDEC_INLINE float raw_element(const void* base, Dtype dtype, int64_t index) {
-  switch (dtype) {
-    case Dtype::kFloat32:
-      return Elem<Dtype::kFloat32>::raw(static_cast<const uint32_t*>(base)[index]);
-    case Dtype::kBFloat16:
-      return Elem<Dtype::kBFloat16>::raw(static_cast<const uint16_t*>(base)[index]);
-    case Dtype::kFloat16:
-      return Elem<Dtype::kFloat16>::raw(static_cast<const uint16_t*>(base)[index]);
-  }
-  return 0.0f;
-}
-
-SPECDEC_INLINE RowStats view_stats(const RowView& view, const Filters& filters, Scratch& scratch) {
-  RowStats s;
-  with_row(view, [&](const auto& row) { s = stats_of(row, filters, scratch); });
-  return s;
-}
-
 SPECDEC_INLINE float view_prob(const RowView& view, const RowStats& s, int64_t token) {
   float p = 0.0f;
   with_row(view, [&](const auto& row) { p = prob_of(row, s, token); });
@@ -216,3 +125,5 @@ SPECDEC_INLINE void write_probs(const RowView& view, const RowStats& s, float* o
     for (int64_t i = 0; i < view.vocab; ++i) out[i] = keep.weight(row(i)) / s.norm;
   });
 }
+
+#endif  // SPECDEC_CPU_PART_STATS

@@ -1,68 +1,10 @@
-// Tree helpers (draft rows, residual rows, the outputs) and traversal verification.
-// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
-// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
-
-// ---- verify_tree (method "token") ----
-struct FloatRow {
-  const float* data;
-  SPECDEC_INLINE float operator()(int64_t i) const { return data[i]; }
-};
-// A without-replacement draft row: q with the rejected tokens removed, over its mass.
-struct ScaledRow {
-  const float* data;
-  float mass;
-  SPECDEC_INLINE float operator()(int64_t i) const { return mass > 0.0f ? data[i] / mass : 0.0f; }
-};
-template <class P>
-struct Unnormalised {  // p_raw / p_mass
-  P p;
-  float mass;
-  SPECDEC_INLINE float operator()(int64_t i) const { return p(i) / mass; }
-};
-
-template <class P>
-struct Weighted {  // w * p
-  P p;
-  float weight;
-  SPECDEC_INLINE float operator()(int64_t i) const { return weight * p(i); }
-};
-
-// out = max(p - q, 0) (NaN kept); its sum and whether an entry is > 0.
-template <class P, class Q>
-SPECDEC_INLINE BlockSum write_residual(const P& p, const Q& q, float* out, int64_t vocab) {
-  for (int64_t i = 0; i < vocab; ++i) {
-    const float r = p(i) - q(i);
-    out[i] = r < 0.0f ? 0.0f : r;
-  }
-  return block_sum(FloatRow{out}, 0, vocab);
-}
-
-SPECDEC_INLINE void write_draft(const void* q, Dtype dtype, int64_t vocab, float* out) {
-  for (int64_t i = 0; i < vocab; ++i) out[i] = raw_element(q, dtype, i);
-}
-
-// Request b's outputs from its path (accepted_nodes[0..accepted], written by the walk), the
-// final token and the statistics of the row it came from (logprobs [0, accepted) are the
-// walk's).
-SPECDEC_INLINE void write_tree_outputs(const TreeArgs& a, int64_t b, int64_t accepted,
-                                       int32_t final_token, const RowView& final_view,
-                                       const RowStats& final_stats) {
-  const int64_t nodes = a.num_nodes;
-  const int64_t* ids = a.tree_token_ids + b * nodes;
-  int32_t* path = a.accepted_nodes + b * nodes;
-  int32_t* out = a.output_token_ids + b * nodes;
-  for (int64_t m = 0; m < nodes; ++m) {
-    out[m] = m < accepted ? static_cast<int32_t>(ids[path[m + 1]]) : -1;
-    if (m > accepted) path[m] = -1;
-  }
-  out[accepted] = final_token;
-  a.num_accepted[b] = static_cast<int32_t>(accepted);
-  if (a.logprobs_kind != Logprobs::kNone) {
-    float* logprobs = a.logprobs + b * nodes;
-    logprobs[accepted] = emitted_logprob(a.logprobs_kind, final_view, final_stats, final_token);
-    for (int64_t m = accepted + 1; m < nodes; ++m) logprobs[m] = kNaN;
-  }
-}
+// verify_tree, method "traversal": the depth-first tour of reference traverse_tree.
+// A part of the CPU sampling path's bodies: see sampling_cpu_body.h. Not a public header.
+#ifndef SPECDEC_CPU_PART_TRAVERSAL
+#define SPECDEC_CPU_PART_TRAVERSAL
+#include "sampling_cpu_filters.h"
+#include "sampling_cpu_race.h"
+#include "sampling_cpu_buffers.h"
 
 // Traversal verification (reference traverse_tree) of one sampled request with draft_probs:
 // the depth-first tour of the reachable nodes (children in increasing index). Entering v
@@ -78,7 +20,7 @@ struct Traversal {
   std::vector<std::vector<float>> p_slot, q_slot;
   std::vector<float> residual;
 
-  void resize(int64_t nodes, int64_t vocab) {
+  void prepare(int64_t nodes, int64_t vocab) {  // buffers for N nodes of V tokens
     stats.resize(nodes);
     for (auto* v : {&has_stats, &reach, &p_written, &q_written}) v->resize(nodes);
     for (auto* v : {&w, &p_mass, &q_mass}) v->resize(nodes);
@@ -235,3 +177,5 @@ struct Traversal {
     }
   }
 };
+
+#endif  // SPECDEC_CPU_PART_TRAVERSAL

@@ -1,6 +1,35 @@
-// verify_tree, method "token": the walk of reference/tree.py.
-// Part of the CPU sampling path's bodies (sampling_cpu_body.h includes the parts in order,
-// inside namespace SPECDEC_ISA of each instruction-set build). Not a public header.
+// verify_tree, method "token": the walk of reference/tree.py ("traversal" requests go to
+// sampling_cpu_traversal.h), and the tree's outputs.
+// A part of the CPU sampling path's bodies: see sampling_cpu_body.h. Not a public header.
+#ifndef SPECDEC_CPU_PART_TREE
+#define SPECDEC_CPU_PART_TREE
+#include "sampling_cpu_filters.h"
+#include "sampling_cpu_race.h"
+#include "sampling_cpu_buffers.h"
+#include "sampling_cpu_traversal.h"
+
+// Request b's outputs from its path (accepted_nodes[0..accepted], written by the walk), the
+// final token and the statistics of the row it came from (logprobs [0, accepted) are the
+// walk's).
+SPECDEC_INLINE void write_tree_outputs(const TreeArgs& a, int64_t b, int64_t accepted,
+                                       int32_t final_token, const RowView& final_view,
+                                       const RowStats& final_stats) {
+  const int64_t nodes = a.num_nodes;
+  const int64_t* ids = a.tree_token_ids + b * nodes;
+  int32_t* path = a.accepted_nodes + b * nodes;
+  int32_t* out = a.output_token_ids + b * nodes;
+  for (int64_t m = 0; m < nodes; ++m) {
+    out[m] = m < accepted ? static_cast<int32_t>(ids[path[m + 1]]) : -1;
+    if (m > accepted) path[m] = -1;
+  }
+  out[accepted] = final_token;
+  a.num_accepted[b] = static_cast<int32_t>(accepted);
+  if (a.logprobs_kind != Logprobs::kNone) {
+    float* logprobs = a.logprobs + b * nodes;
+    logprobs[accepted] = emitted_logprob(a.logprobs_kind, final_view, final_stats, final_token);
+    for (int64_t m = accepted + 1; m < nodes; ++m) logprobs[m] = kNaN;
+  }
+}
 
 // The walk of reference/tree.py, one request at a time. The current node's distribution is
 // its processed row ("pristine": RowStats only) until a rejection there needs it as a row:
@@ -17,7 +46,7 @@ SPECDEC_INLINE void verify_tree_body(const TreeArgs& a, int64_t begin, int64_t e
   std::vector<int64_t> removed;
   const bool traversal = a.method == TreeMethod::kTraversal && has_q;
   Traversal tour;
-  if (traversal) tour.resize(nodes, vocab);
+  if (traversal) tour.prepare(nodes, vocab);
   for (int64_t b = begin; b < end; ++b) {
     const Filters filters = a.params.filters(b);
     const bool greedy = filters.temperature == 0.0f;
@@ -153,3 +182,5 @@ SPECDEC_INLINE void verify_tree_body(const TreeArgs& a, int64_t begin, int64_t e
     write_tree_outputs(a, b, accepted, final_token, target_view(current), stats);
   }
 }
+
+#endif  // SPECDEC_CPU_PART_TREE
