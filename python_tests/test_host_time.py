@@ -18,7 +18,8 @@ B, K, V = 3, 4, 20
 
 def _inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return dict(logits=torch.randn(B, K + 1, V, generator=g), ids=torch.randint(0, V, (B, K), generator=g),
+    return dict(logits=torch.randn(B, K + 1, V, generator=g),
+                ids=torch.randint(0, V, (B, K), generator=g),
                 probs=torch.softmax(torch.randn(B, K, V, generator=g), -1),
                 seed=torch.arange(B) + 5, offset=torch.zeros(B, dtype=torch.int64),
                 parents=torch.tensor([[-1, 0, 0, 1, 2]] * B),
