@@ -26,6 +26,8 @@ Ops defined here (Python implementations; schemas inferred from their annotation
 ``specdec::triton_verify_tree``           ``verify_tree``, Triton
 ``specdec::draw_seeds``                   ``seed=None``: one seed per request from torch's
                                           default generator, at run time
+``specdec::check_values``                 a validated call's value checks, under
+                                          ``torch.compile`` (eagerly a plain call)
 ========================================  =====================================================
 
 Ops of the compiled extension (schemas in ``csrc/torch``), given their fakes here:
