@@ -16,8 +16,10 @@
    machine down.
 vLLM's files stay as the sdist ships them.
 """
+import gc
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -72,7 +74,7 @@ _STREAMS = ("compares our tokens with vLLM's own {mode} kernel's for the same se
             "random streams by design (docs/engines.md, vLLM 0.34.0: randomness)")
 CROSS_STREAM = {
     "test_fly_pending_window_preserves_recovery_position": ("-0.7]", _STREAMS.format(mode="FLy")),
-    "test_chunked_requests_match_full_batch": ("-2]", _STREAMS.format(mode="FLy")),
+    "test_chunked_requests_match_full_batch": ("[2-", _STREAMS.format(mode="FLy")),
     "test_repeated_draft_context_does_not_change_acceptance": (
         None, _STREAMS.format(mode="watermarking")),
     "test_repeated_context_skip_mask_is_read_per_row_in_a_block": (
@@ -117,7 +119,8 @@ def pytest_collection_modifyitems(config, items):
                 break
         if base in CROSS_STREAM:
             needs, reason = CROSS_STREAM[base]
-            if needs is None or item.name.endswith(needs):
+            if needs is None or (needs in item.name if needs.startswith("[")
+                                 else item.name.endswith(needs)):
                 item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
 
 
@@ -174,6 +177,16 @@ def pytest_runtest_makereport(item, call):
         if reason:
             report.outcome = "skipped"
             report.longrepr = (str(item.path), item.location[1] or 0, reason)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # pytest keeps the last failure's traceback (sys.last_traceback, for post-mortems): its
+    # frames hold that test's inputs, gigabytes here, which the next test would pay for under
+    # the memory cap. Drop them between tests.
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    gc.collect()
 
 
 def pytest_runtest_logreport(report):
