@@ -122,6 +122,110 @@ def model(sharded_bytes: int, collectives: int, rows: int, vocab: int, world: in
     return lines
 
 
+# --- The real model, its LM head split over two processes ------------------------------
+REAL_MODES = (dict(temperature=0.0), dict(temperature=0.8, top_p=0.9))
+PROMPT = "def fibonacci(n):\n    # return the n-th Fibonacci number\n    if n < 2:\n"
+
+
+def _lookup(context: list, k: int) -> list:
+    """Prompt-lookup drafts: the k tokens after the last earlier match of the final two."""
+    tail = context[-2:]
+    for i in range(len(context) - 3, 0, -1):
+        if context[i - 1:i + 1] == tail:
+            follow = context[i + 1:i + 1 + k]
+            return follow + [context[-1]] * (k - len(follow))
+    return [context[-1]] * k
+
+
+def _generate(step_logits, prompt: list, steps: int, k: int, mode: dict, verify) -> list:
+    """Speculative generation: ``step_logits(context, drafts)`` -> ``[1, k+1, width]``;
+    ``verify(logits, drafts, offset)`` -> the emitted tokens."""
+    context = list(prompt)
+    for _ in range(steps):
+        drafts = _lookup(context, k)
+        context += verify(step_logits(context, drafts), drafts, len(context))
+    return context
+
+
+def _real_rank1(port, head, cfg):
+    import torch.distributed as dist
+    import specdec_kernels as sk
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1,
+                            world_size=2, timeout=datetime.timedelta(seconds=900))
+    shard = sk.VocabShard(cfg["start"], cfg["vocab"])
+    k, hidden = cfg["k"], head.shape[1]
+    for mode in REAL_MODES:
+        for _ in range(cfg["steps"]):
+            h = torch.empty(k + 1, hidden)
+            meta = torch.empty(k + 1, dtype=torch.int64)  # drafts, then the offset
+            dist.broadcast(h, 0)
+            dist.broadcast(meta, 0)
+            sk.verify_chain((h @ head.T)[None], meta[None, :k], vocab_shard=shard, seed=7,
+                            offset=int(meta[k]), **mode)
+    dist.destroy_process_group()
+
+
+def real_model_run(steps: int, k: int) -> dict:
+    """The embedded model (specdec_kernels.e2e) generates with prompt-lookup speculation,
+    its LM head split over this process (rank 0, which runs the transformer and broadcasts
+    each step's hidden states) and one more; then unsharded. Tokens must be identical."""
+    import torch.distributed as dist
+    import specdec_kernels as sk
+    from specdec_kernels.e2e.model import load_model
+    from specdec_kernels.vocab_parallel.shards import even_shards
+    model, tokenizer = load_model()
+    head = model.lm_head.weight.detach().float()
+    vocab = head.shape[0]
+    (start0, width0), (start1, width1) = even_shards(vocab, 2, 64)
+    port = _free_port()
+    cfg = dict(start=start1, vocab=vocab, k=k, steps=steps)
+    ctx = mp.get_context("spawn")
+    head1 = torch.nn.functional.pad(head[start1:], (0, 0, 0, start1 + width1 - vocab),
+                                    value=0.0)  # padding rows: their logits are ignored
+    peer = ctx.Process(target=_real_rank1, args=(port, head1.contiguous(), cfg))
+    peer.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=2, timeout=datetime.timedelta(seconds=900))
+    prompt = tokenizer(PROMPT).input_ids
+    shard = sk.VocabShard(start0, vocab)
+
+    def hidden(context, drafts):
+        ids = torch.tensor([context + drafts])
+        with torch.no_grad():
+            return model.model(ids).last_hidden_state[0, -(k + 1):].float().contiguous()
+
+    record = dict(model=model.name_or_path, vocab=vocab, steps=steps, k=k, modes=[])
+    for mode in REAL_MODES:
+        def sharded_logits(context, drafts):
+            h = hidden(context, drafts)
+            dist.broadcast(h, 0)
+            dist.broadcast(torch.tensor(drafts + [len(context)]), 0)
+            return (h @ head[start0:start0 + width0].T)[None]
+
+        def sharded_verify(logits, drafts, offset):
+            out = sk.verify_chain(logits, torch.tensor([drafts]), vocab_shard=shard, seed=7,
+                                  offset=offset, **mode)
+            return out.output_token_ids[0, :int(out.num_accepted[0]) + 1].tolist()
+
+        def full_verify(logits, drafts, offset):
+            out = sk.verify_chain(logits, torch.tensor([drafts]), seed=7, offset=offset,
+                                  backend="reference", **mode)
+            return out.output_token_ids[0, :int(out.num_accepted[0]) + 1].tolist()
+        t0 = time.perf_counter()
+        sharded = _generate(sharded_logits, prompt, steps, k, mode, sharded_verify)
+        t1 = time.perf_counter()
+        full = _generate(lambda c, d: (hidden(c, d) @ head.T)[None], prompt, steps, k, mode,
+                         full_verify)
+        record["modes"].append(dict(mode=mode, identical=sharded == full,
+                                    tokens=len(sharded) - len(prompt),
+                                    sharded_s=t1 - t0, text=tokenizer.decode(sharded)))
+        print(json.dumps(record["modes"][-1]))
+    peer.join(120)
+    dist.destroy_process_group()
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="*", default=[2, 4])
@@ -135,7 +239,15 @@ def main() -> None:
     parser.add_argument("--model", action="store_true",
                         help="also run P = 8, B = 64, K = 4 once for the bytes at V = 152k")
     parser.add_argument("--out", default="")
+    parser.add_argument("--real-model", action="store_true",
+                        help="only the two-process run of the embedded model (minutes)")
     args = parser.parse_args()
+    if args.real_model:
+        record = real_model_run(steps=12, k=args.k)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
+        return
     cfg = dict(batch=args.batch, k=args.k, vocab=args.vocab, iters=args.iters,
                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                time_gather=True)
