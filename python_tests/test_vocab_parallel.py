@@ -175,7 +175,44 @@ def _job_equal(rank, world):
                 _sample_case(results, sk, vp, vocab, variant, shard, start, width)
                 if variant in (1, 2, 5, 6):
                     _tree_cases(results, sk, vp, vocab, variant, shard, start, width, world)
+    if world == 2:
+        _dtype_cases(results, vp, world, rank)
     return results
+
+
+def _dtype_cases(results, vp, world, rank):
+    """float64 rows (the 64-bit threshold search) and bf16 / fp16 logits, against the
+    reference's definition itself (the public op takes no float64 logits)."""
+    from specdec_kernels import _params
+    from specdec_kernels.reference import chain as reference
+    vocab, batch, k = 5000, 4, 3
+    start, width = _cuts(vocab, world)[rank]
+    shard = vp.VocabShard(start, vocab)
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        gen = torch.Generator().manual_seed(7)
+        logits = (torch.randn(batch, k + 1, vocab, generator=gen, dtype=torch.float64) * 2)
+        logits = logits.to(dtype)
+        q = torch.softmax(torch.randn(batch, k, vocab, generator=gen, dtype=torch.float64), -1)
+        q = q if dtype == torch.float64 else q.float()
+        ids = torch.multinomial(q.reshape(-1, vocab).float(), 1, generator=gen).view(batch, k)
+        for kw in (dict(temperature=1.0, top_k=17), dict(temperature=0.9, top_p=0.85),
+                   dict(temperature=0.7, top_k=40, top_p=0.95, min_p=0.01)):
+            for method in ("token", "block"):
+                p = _params.sampling_params(kw.get("temperature"), kw.get("top_k"),
+                                            kw.get("top_p"), batch=batch, vocab_size=vocab,
+                                            device=torch.device("cpu"), validate=True,
+                                            min_p=kw.get("min_p"))
+                seed, offset = torch.arange(batch) + 5, torch.full((batch,), 3)
+                ref = reference.verify_chain(logits, ids, q, None, torch.full((batch,), k),
+                                             p.temperature, p.top_k, p.top_p, seed, offset,
+                                             min_p=p.min_p, method=method)
+                with vp.count_collectives() as stats:
+                    out = vp.verify_chain(_shard(logits, start, width, -INF), ids,
+                                          vocab_shard=shard, draft_probs=_shard(q, start, width,
+                                                                                0.0),
+                                          seed=seed, offset=offset, method=method, **kw)
+                _compare(results, f"{dtype} {kw} {method}", tuple(ref[:2]), tuple(out[:2]),
+                         stats, batch * (k + 1))
 
 
 def _tree_cases(results, sk, vp, vocab, variant, shard, start, width, world):
