@@ -142,7 +142,8 @@ class Block:
 
     def take_kth(self, key: torch.Tensor) -> None:
         kth = key_values(key, self.compute)
-        keep = ~self.topk_active()[:, None] | (self.z >= kth[:, None])
+        searched = self.topk_active() & ~self.greedy
+        keep = ~searched[:, None] | (self.z >= kth[:, None])
         self.exponent = torch.where(keep, self.exponent, -torch.inf)
 
     # round 3: the normalisers and the owners' values -----------------------------------
@@ -217,13 +218,20 @@ def process(comm: Comm, blocks: list[Block]) -> None:
         block.take_max(g)
     nbits = 64 if any(b.compute == torch.float64 for b in blocks) else 32
     searching = [b for b in blocks if b.filtered]
-    if searching and any(bool(b.topk_active().any()) for b in searching):
-        keys = torch.cat([ordered_keys(b.z) for b in searching])
-        weights = torch.cat([b.valid.expand_as(b.z).to(torch.int64) for b in searching])
-        need = torch.cat([torch.where(b.topk_active(), b.top_k, 1) for b in searching])
-        key, _ = radix_search(comm, keys, weights, lambda s: s >= need[:, None], nbits)
+    # Only the rows a threshold changes take part in its search (greedy rows are one-hot
+    # whatever it is): the histograms' bytes follow the filtered rows, not the batch.
+    topk_rows = torch.cat([b.topk_active() & ~b.greedy for b in searching]) if searching \
+        else None
+    if searching and bool(topk_rows.any()):
+        rows = topk_rows.nonzero()[:, 0]
+        keys = torch.cat([ordered_keys(b.z) for b in searching])[rows]
+        weights = torch.cat([b.valid.expand_as(b.z).to(torch.int64) for b in searching])[rows]
+        need = torch.cat([b.top_k for b in searching])[rows]
+        found, _ = radix_search(comm, keys, weights, lambda s: s >= need[:, None], nbits)
+        key = torch.zeros(topk_rows.shape[0], dtype=torch.int64, device=keys.device)
+        key[rows] = found
         for b, k in zip(searching, key.split([b.z.shape[0] for b in searching])):
-            b.take_kth(k)
+            b.take_kth(k)  # rows outside the search keep every token (take_kth's mask)
     # The normalisers' round also carries any block's ``extra`` owner values (q(d_j) of
     # draft_probs): each rank fills its own entries, zeros elsewhere, so the sum is exact.
     extras = [b for b in blocks if getattr(b, "extra", None) is not None]
@@ -235,13 +243,15 @@ def process(comm: Comm, blocks: list[Block]) -> None:
     if searching:
         for b in searching:
             b.tau = torch.zeros_like(b.W)
-        if any(bool(b.topp_active().any()) for b in searching):
+        topp_rows = torch.cat([b.topp_active() & ~b.greedy for b in searching])
+        if bool(topp_rows.any()):
+            rows = topp_rows.nonzero()[:, 0]
             p1 = [torch.nan_to_num(b.p1, nan=0.0) for b in searching]
-            keys = torch.cat([ordered_keys(p) for p in p1])
-            weights = torch.cat([(p.double() * FIXED_POINT).to(torch.int64) for p in p1])
-            top_p = torch.cat([b.top_p.double() for b in searching])
+            keys = torch.cat([ordered_keys(p) for p in p1])[rows]
+            weights = torch.cat([(p.double() * FIXED_POINT).to(torch.int64) for p in p1])[rows]
+            top_p = torch.cat([b.top_p.double() for b in searching])[rows]
             exact = torch.cat([torch.full_like(b.top_p, b.compute == torch.float64,
-                                               dtype=torch.bool) for b in searching])
+                                               dtype=torch.bool) for b in searching])[rows]
 
             def reaches(sums):
                 mass = sums.double() / FIXED_POINT
@@ -249,7 +259,10 @@ def process(comm: Comm, blocks: list[Block]) -> None:
                 # compute dtype: round as it does.
                 mass = torch.where(exact[:, None], mass, mass.float().double())
                 return mass >= top_p[:, None]
-            key, found = radix_search(comm, keys, weights, reaches, nbits)
+            searched, hit = radix_search(comm, keys, weights, reaches, nbits)
+            key = torch.zeros(topp_rows.shape[0], dtype=torch.int64, device=keys.device)
+            found = torch.zeros(topp_rows.shape[0], dtype=torch.bool, device=keys.device)
+            key[rows], found[rows] = searched, hit  # elsewhere tau = 0: every token kept
             sizes = [b.W.shape[0] for b in searching]
             for b, k, f in zip(searching, key.split(sizes), found.split(sizes)):
                 b.take_tau(k, f)
