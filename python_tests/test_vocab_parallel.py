@@ -213,6 +213,28 @@ def _dtype_cases(results, vp, world, rank):
                                           seed=seed, offset=offset, method=method, **kw)
                 _compare(results, f"{dtype} {kw} {method}", tuple(ref[:2]), tuple(out[:2]),
                          stats, batch * (k + 1))
+    # A NaN draft probability (validation never reads [.., V] values): the reference's race
+    # gives -1 on a row with a NaN weight; the sharded race must too, whichever rank holds it.
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(batch, k + 1, vocab, generator=gen)
+    q = torch.softmax(torch.randn(batch, k, vocab, generator=gen), -1)
+    ids = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).view(batch, k)
+    q[1, 0, 3] = float("nan")
+    q[2, 0, vocab - 2] = float("nan")  # on the last shard, where rank 0 holds the other
+    logits[1, 0, ids[1, 0]] = logits[2, 0, ids[2, 0]] = -INF  # rejected: the residual races
+    seed, offset = torch.arange(batch) + 9, torch.zeros(batch, dtype=torch.int64)
+    ref = vp_reference_chain(logits, ids, q, seed, offset)
+    with vp.count_collectives() as stats:
+        out = vp.verify_chain(_shard(logits, start, width, -INF), ids, vocab_shard=shard,
+                              draft_probs=_shard(q, start, width, 0.0), seed=seed,
+                              offset=offset, temperature=1.0, validate=False)
+    _compare(results, "NaN draft probs", tuple(ref[:2]), tuple(out[:2]), stats, batch * (k + 1))
+
+
+def vp_reference_chain(logits, ids, q, seed, offset):
+    import specdec_kernels as sk
+    return sk.verify_chain(logits, ids, draft_probs=q, seed=seed, offset=offset,
+                           temperature=1.0, backend="reference", validate=False)
 
 
 def _tree_cases(results, sk, vp, vocab, variant, shard, start, width, world):
@@ -442,6 +464,9 @@ def test_sharded_ops_equal_the_unsharded_op(world):
         assert len(ref) == len(out), case["name"]
         tokens_equal = torch.equal(ref[0], out[0])
         rest_equal = all(_same(a, b) for a, b in zip(ref[1:], out[1:]))
+        if case["name"] == "NaN draft probs":  # no near-tie here: exactly the reference's
+            assert tokens_equal and rest_equal and bool((ref[0][1:3, 0] == -1).all()), \
+                (ref, case["out"])
         total_requests += case["requests"]
         if not (tokens_equal and rest_equal):
             differ = (ref[0] != out[0]).reshape(ref[0].shape[0], -1).any(1).sum()

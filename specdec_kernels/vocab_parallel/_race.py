@@ -82,7 +82,11 @@ def sharded_race(comm: Comm, layout: Layout, variants: Sequence[torch.Tensor],
     seed, offset = seed[:, None], offset[:, None]
     position = torch.as_tensor(position, device=device)
     position = position[:, None] if position.dim() == 1 else position
-    any_local = torch.stack([(v > 0).any(-1) for v in variants], -1)
+    # Per weighting: any positive weight here (the choice, NaN ignored as the reference's
+    # ``(w > 0).any()``), and any NaN here (the reference's race then gives -1).
+    any_local = torch.cat([torch.stack([(v > 0).any(-1) for v in variants], -1),
+                           torch.stack([v.isnan().any(-1) for v in variants], -1)], -1)
+    count = len(variants)
     multi = layout.num_groups > 1
     if multi:
         group_noise = _rng.token_exponential(seed, offset, position, purpose, layout.num_groups,
@@ -91,7 +95,8 @@ def sharded_race(comm: Comm, layout: Layout, variants: Sequence[torch.Tensor],
         for v in variants:
             parts.append(_group_summary(layout, v, group_noise))
         gathered = comm.gather(parts)
-        any_positive = gathered[0].amax(0) > 0
+        flags = gathered[0].amax(0) > 0
+        any_positive, any_nan = flags[:, :count], flags[:, count:]
         chosen = choose(any_positive)
         winners = [_combine_groups(comm.layouts, g, group_noise, variants[0].dtype)
                    for g in gathered[1:]]
@@ -118,7 +123,8 @@ def sharded_race(comm: Comm, layout: Layout, variants: Sequence[torch.Tensor],
     parts = candidates if multi else [any_local.double()] + candidates
     gathered = comm.gather(parts)
     if not multi:
-        any_positive = gathered[0].amax(0) > 0
+        flags = gathered[0].amax(0) > 0
+        any_positive, any_nan = flags[:, :count], flags[:, count:]
         chosen = choose(any_positive)
         table = torch.stack(gathered[1:], 0)  # [variants, P, B, 2 + carry]
         table = table.gather(0, chosen[None, None, :, None].expand(1, *table.shape[1:]))[0]
@@ -129,7 +135,7 @@ def sharded_race(comm: Comm, layout: Layout, variants: Sequence[torch.Tensor],
     rank = (ids == token[:, None]) & (scores == scores.amax(1, keepdim=True))
     rank = rank.to(torch.int64).argmax(1)
     carried = [table[..., 2 + i].t().gather(1, rank[:, None])[:, 0] for i in range(len(carry))]
-    has = any_positive.gather(1, chosen[:, None])[:, 0]
+    has = (any_positive & ~any_nan).gather(1, chosen[:, None])[:, 0]
     token = torch.where(has, token, -1.0).to(torch.int32)
     carried = [torch.where(has, c, 0.0) for c in carried]
     return token, carried
