@@ -136,3 +136,22 @@ def test_the_host_bench_runs(tmp_path):
     assert ("torch op", "softmax + argmax") in rows
     assert ("verify_chain", "draft logits, top-p, validate=True") in rows
     assert any(r["adapter"] for r in result["rows"]) and result["profiles"]
+
+
+def test_a_call_under_fake_tensor_mode_leaves_no_fake_tensor_in_the_caches():
+    """A traced call (FakeTensorMode, as torch.compile's fake kernels and make_fx run) parses
+    afresh and caches nothing: the same Python numbers in a later eager call must not find
+    a fake tensor in the parameter or broadcast caches (they did: every later eager call with
+    those numbers failed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import specdec_kernels as sk
+    with FakeTensorMode():
+        sk.sample(torch.randn(3, 50), temperature=0.7, top_k=5,
+                  seed=torch.zeros(3, dtype=torch.int64), validate=False)
+        sk.verify_chain(torch.randn(3, 3, 50), torch.zeros(3, 2, dtype=torch.int64),
+                        temperature=0.7, top_p=0.9, seed=torch.zeros(3, dtype=torch.int64),
+                        validate=False)
+    token = sk.sample(torch.randn(3, 50), temperature=0.7, top_k=5, seed=1)
+    out = sk.verify_chain(torch.randn(3, 3, 50), torch.zeros(3, 2, dtype=torch.int64),
+                          temperature=0.7, top_p=0.9, seed=1)
+    assert token.shape == (3,) and out.output_token_ids.shape == (3, 3)

@@ -129,7 +129,7 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
     """
     # Under torch.compile the fill is part of the traced graph (a cached tensor would be a
     # graph constant, and a fake tensor must never enter the cache).
-    if torch.compiler.is_compiling() or _types.capturing(device):
+    if _tracing() or _types.capturing(device):
         return torch.full((batch,), value, dtype=dtype, device=device)
     key = (type(value), value, batch, dtype, device, _stream_key(device))
     cached = _BROADCAST_CACHE.get(key)
@@ -254,7 +254,7 @@ def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerReques
     key = None
     if type(temperature) in _SCALAR_TYPES and type(top_k) in _SCALAR_TYPES and \
             type(top_p) in _SCALAR_TYPES and type(min_p) in _SCALAR_TYPES and \
-            not torch.compiler.is_compiling() and not _types.capturing(device):
+            not _tracing() and not _types.capturing(device):
         key = (type(temperature), temperature, type(top_k), top_k, type(top_p), top_p,
                type(min_p), min_p, batch, vocab_size, device, _stream_key(device))
         cached = _PARAMS_CACHE.get(key)
@@ -454,14 +454,21 @@ _PLAN_SIZE = 64
 _KEY_TYPES = frozenset((int, float, bool, str, type(None)))
 
 
+def _tracing() -> bool:
+    """Compiling, or under a dispatch mode (FakeTensorMode, make_fx), a function mode or a
+    functorch transform: those must see the parsing, and a tensor made there (a fake one)
+    must never enter a cache that later eager calls read."""
+    return (torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack())
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active())
+
+
 def call_key(*args) -> Optional[tuple]:
     """A hashable key of a call's structure: each plain tensor's shape, dtype and device, each
-    Python number's type and value; None (parse afresh) for anything else, while compiling or
-    under a dispatch mode, function mode or functorch transform (those see the parsing), and
-    while a CUDA graph is being captured (a plan holds tensors filled outside the graph)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active()):
+    Python number's type and value; None (parse afresh) for anything else, while tracing
+    (``_tracing``), and while a CUDA graph is being captured (a plan holds tensors filled
+    outside the graph)."""
+    if _tracing():
         return None
     key = []
     cuda = None
