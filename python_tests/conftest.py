@@ -129,7 +129,7 @@ def triton_refuses(op: str, device: str = "cpu") -> frozenset:
 COSTLIEST_FIRST = (
     "test_triton_compile.py",   # one subprocess compiling every kernel for sm_80 and sm_90
     "test_triton_chain.py", "test_triton_sampling.py", "test_triton_tree.py", "test_draft_slots.py",
-    "test_e2e.py", "test_triton_dropin.py", "test_dropin.py", "test_triton_methods.py",
+    "test_e2e.py", "test_vocab_parallel.py", "test_serving.py", "test_triton_dropin.py", "test_dropin.py", "test_triton_methods.py",
     "test_rng_tails.py", "test_chain_api.py", "test_testing_toolkit.py", "test_graph_safety.py",
     "test_cpu_path.py", "test_fuzz_backends.py", "test_adapter_vllm.py",
     "test_peer_failure_classes.py", "test_one_law.py", "test_chain_exactness.py",
