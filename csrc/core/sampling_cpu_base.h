@@ -39,4 +39,20 @@ SPECDEC_INLINE T* grow(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
+// A call's buffers T (its Scratch and the like). For tiny work (a request's rows x V at most
+// kTinyWork) they are the thread's own, kept from call to call: a warm call allocates nothing,
+// and they never grow past the tiny size. Else a fresh set, freed when the call returns.
+// Every buffer is written before it is read, so which set a call gets changes no value.
+constexpr int64_t kTinyWork = 4096;
+template <class T>
+struct CallBuffers {
+  explicit CallBuffers(int64_t work) : get(work <= kTinyWork ? kept() : fresh) {}
+  T fresh;
+  T& get;
+  static T& kept() {
+    thread_local T buffers;
+    return buffers;
+  }
+};
+
 #endif  // SPECDEC_CPU_PART_BASE

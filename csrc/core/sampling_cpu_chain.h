@@ -8,16 +8,27 @@
 // One request after another. Token rule: row j's statistics, p(d_j), q(d_j), the test; stop
 // at the first rejection. Block verification (sampled requests): every live row is read (all
 // tests are made); row j >= 1 also gives R_j = sum(max(w_j p_j - q_j, 0)).
+struct ChainBuffers {
+  Scratch scratch;
+  std::vector<int64_t> id;        // grows with K only
+  std::vector<float> p_drafts;    // p_j(d_j), for the log-probabilities
+  std::vector<RowStats> block_stats, block_draft_stats;
+};
+
 SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t end) {
   forget_expanded_mask();
   const int64_t num_drafts = a.num_drafts, vocab = a.vocab, rows = num_drafts + 1;
-  Scratch scratch;
-  std::vector<int64_t> id(num_drafts);          // grows with K only
-  std::vector<float> p_drafts(num_drafts);       // p_j(d_j), for the log-probabilities
-  std::vector<RowStats> block_stats, block_draft_stats;
+  CallBuffers<ChainBuffers> buffers(rows * vocab);
+  Scratch& scratch = buffers.get.scratch;
+  std::vector<int64_t>& id = buffers.get.id;
+  std::vector<float>& p_drafts = buffers.get.p_drafts;
+  std::vector<RowStats>& block_stats = buffers.get.block_stats;
+  std::vector<RowStats>& block_draft_stats = buffers.get.block_draft_stats;
+  id.assign(num_drafts, 0);
+  p_drafts.assign(num_drafts, 0.0f);
   if (a.method == ChainMethod::kBlock) {
-    block_stats.resize(rows);
-    block_draft_stats.resize(rows);
+    block_stats.assign(rows, RowStats{});
+    block_draft_stats.assign(rows, RowStats{});
   }
   for (int64_t b = begin; b < end; ++b) {
     const Filters filters = a.params.filters(b);
@@ -152,7 +163,8 @@ SPECDEC_INLINE void verify_chain_body(const ChainArgs& a, int64_t begin, int64_t
 
 SPECDEC_INLINE void sample_body(const SampleArgs& a, int64_t begin, int64_t end) {
   forget_expanded_mask();
-  Scratch scratch;
+  CallBuffers<Scratch> buffers(a.vocab);
+  Scratch& scratch = buffers.get;
   for (int64_t b = begin; b < end; ++b) {
     const RowView view = logits_row(a.logits, a.dtype, b, a.vocab, a.bitmask);
     const RowStats stats = view_stats(view, a.params.filters(b), scratch);
@@ -166,7 +178,8 @@ SPECDEC_INLINE void sample_body(const SampleArgs& a, int64_t begin, int64_t end)
 
 SPECDEC_INLINE void processed_probs_body(const ProbsArgs& a, int64_t begin, int64_t end) {
   forget_expanded_mask();
-  Scratch scratch;
+  CallBuffers<Scratch> buffers(a.vocab);
+  Scratch& scratch = buffers.get;
   for (int64_t r = begin; r < end; ++r) {
     const RowView view = logits_row(a.logits, a.dtype, r, a.vocab, a.bitmask);
     const RowStats s = view_stats(view, a.params.filters(r / a.rows_per_request), scratch);

@@ -134,8 +134,9 @@ SPECDEC_INLINE int64_t keep_from_key(const uint32_t* keys, const float* weights,
 // threshold token; false when the whole domain does not reach the target. With
 // `target_fraction` > 0 the target is that fraction of the domain's total (top-p), in double,
 // and `floor_key(e)` is a key below which tokens have about that e at most (a hint).
+// (search_threshold, below, takes this for rows of more than kSmallSearch tokens.)
 template <class FloorKey>
-SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double target,
+SPECDEC_INLINE bool histogram_search(Scratch& scratch, int64_t vocab, double target,
                                      double target_fraction, const FloorKey& floor_key,
                                      uint32_t& threshold_key) {
   const uint32_t* all_keys = scratch.keys.data();
@@ -252,6 +253,117 @@ SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double tar
   }
   threshold_key = key;
   return true;
+}
+
+// ---- rows of a few tokens: the same search without the histograms ----
+// Zeroing and walking the 2048-bin levels costs microseconds whatever the row, most of a
+// small row's time. A bin's sum here is formed from its positive weights alone, in id order,
+// and the bins are visited from the top: the histograms' sums in the histograms' order (a
+// zero weight adds nothing; an empty bin moves neither the walk nor `above`), so the same
+// threshold, bit for bit (test_sampling_cpu checks it against histogram_search).
+constexpr int64_t kSmallSearch = 64;
+
+// The largest bin (key >> shift & mask) below `below` among n keys; -1 when there is none.
+SPECDEC_INLINE int64_t next_bin(const uint32_t* keys, int64_t n, int shift, uint32_t mask,
+                                int64_t below) {
+  int64_t best = -1;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t bin = (keys[j] >> shift) & mask;
+    best = bin < below && bin > best ? bin : best;
+  }
+  return best;
+}
+
+// walk_bins over the bins of n tokens (positive weights, in id order): the bin, or -1;
+// `above` as walk_bins leaves it. With ids (the first level), a bin's sum is that of its
+// even ids plus that of its odd ids, as first_level's two histograms give it.
+SPECDEC_INLINE int64_t small_walk(const uint32_t* keys, const float* weights,
+                                  const uint32_t* ids, int64_t n, int shift, uint32_t mask,
+                                  double target, double& above) {
+  for (int64_t bin = next_bin(keys, n, shift, mask, int64_t{mask} + 1); bin >= 0;
+       bin = next_bin(keys, n, shift, mask, bin)) {
+    double even = 0.0, odd = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (((keys[j] >> shift) & mask) != static_cast<uint32_t>(bin)) continue;
+      if (ids != nullptr && (ids[j] & 1u)) {
+        odd += weights[j];
+      } else {
+        even += weights[j];
+      }
+    }
+    const double sum = ids != nullptr ? even + odd : even;
+    if (sum > 0.0 && above + sum >= target) return bin;
+    above += sum;
+  }
+  return -1;
+}
+
+// The lowest bin among n keys (mask, the last bin, when there is none: histogram_search's
+// keep-all bin of an empty level).
+SPECDEC_INLINE uint32_t lowest_bin(const uint32_t* keys, int64_t n, int shift, uint32_t mask) {
+  uint32_t lowest = mask;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t bin = (keys[j] >> shift) & mask;
+    lowest = bin < lowest ? bin : lowest;
+  }
+  return lowest;
+}
+
+// histogram_search's answer for a row of at most kSmallSearch tokens (the target final).
+SPECDEC_INLINE bool small_search(const uint32_t* all_keys, const float* all_weights,
+                                 int64_t vocab, double target, uint32_t& threshold_key) {
+  uint32_t keys[kSmallSearch], ids[kSmallSearch];
+  float weights[kSmallSearch];
+  int64_t n = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (!(all_weights[i] > 0.0f)) continue;
+    keys[n] = all_keys[i];
+    weights[n] = all_weights[i];
+    ids[n++] = static_cast<uint32_t>(i);
+  }
+  double above = 0.0;
+  uint32_t key = 0;
+  for (int level = 0; level < 3; ++level) {
+    const int shift = kLevelShift[level];
+    const uint32_t mask = kLevelBins[level] - 1;
+    const int64_t found = small_walk(keys, weights, level == 0 ? ids : nullptr, n, shift, mask,
+                                     target, above);
+    if (found < 0 && level == 0) return false;  // the domain does not reach the target
+    const bool keep_all = found < 0;  // as histogram_search: the lowest bin, all of it
+    const uint32_t bin = keep_all ? lowest_bin(keys, n, shift, mask) : static_cast<uint32_t>(found);
+    key |= bin << shift;
+    int64_t kept = 0;  // the bin's tokens, in order
+    for (int64_t j = 0; j < n; ++j) {
+      const uint32_t k = keys[j];
+      const float w = weights[j];
+      keys[kept] = k;
+      weights[kept] = w;
+      kept += ((k >> shift) & mask) == bin;
+    }
+    n = kept;
+    if (keep_all) {
+      uint32_t lowest = 0xFFFFFFFFu;
+      for (int64_t j = 0; j < n; ++j) lowest = keys[j] < lowest ? keys[j] : lowest;
+      threshold_key = lowest;
+      return true;
+    }
+  }
+  threshold_key = key;
+  return true;
+}
+
+// The threshold search: histogram_search, or small_search (the same answer) for a row of at
+// most kSmallSearch tokens.
+template <class FloorKey>
+SPECDEC_INLINE bool search_threshold(Scratch& scratch, int64_t vocab, double target,
+                                     double target_fraction, const FloorKey& floor_key,
+                                     uint32_t& threshold_key) {
+  if (vocab > kSmallSearch) {
+    return histogram_search(scratch, vocab, target, target_fraction, floor_key, threshold_key);
+  }
+  const float* weights = scratch.weights.data();
+  if (target_fraction > 0.0) target = target_fraction * double_sum(weights, vocab);
+  return small_search(scratch.keys.data(), weights, vocab, target, threshold_key);
 }
 
 // Fills scratch with keys and weights over the domain (finite, x / T >= z_lo): e, or 1 for a

@@ -36,16 +36,25 @@ SPECDEC_INLINE void write_tree_outputs(const TreeArgs& a, int64_t b, int64_t acc
 // deterministic candidates keep a list of removed tokens (the row is written only for the
 // final race), i.i.d. / without-replacement drafts write the residual to a buffer (two, so
 // that a residual without mass keeps the previous one) and the draft row to a third.
+struct TreeBuffers {
+  Scratch scratch;
+  std::vector<float> rows;  // the walk's residual and draft rows
+  std::vector<int64_t> removed;
+  Traversal tour;
+};
+
 SPECDEC_INLINE void verify_tree_body(const TreeArgs& a, int64_t begin, int64_t end) {
   forget_expanded_mask();
   const int64_t nodes = a.num_nodes, vocab = a.vocab;
   const bool has_q = a.draft_probs != nullptr;
   const bool wor = has_q && a.draft_sampling == DraftSampling::kWithoutReplacement;
-  Scratch scratch;
-  std::vector<float> buffers((has_q ? 3 : 1) * static_cast<size_t>(vocab));  // grows with V only
-  std::vector<int64_t> removed;
+  CallBuffers<TreeBuffers> call(nodes * vocab);
+  Scratch& scratch = call.get.scratch;
+  std::vector<float>& buffers = call.get.rows;
+  buffers.assign((has_q ? 3 : 1) * static_cast<size_t>(vocab), 0.0f);  // grows with V only
+  std::vector<int64_t>& removed = call.get.removed;
   const bool traversal = a.method == TreeMethod::kTraversal && has_q;
-  Traversal tour;
+  Traversal& tour = call.get.tour;
   if (traversal) tour.prepare(nodes, vocab);
   for (int64_t b = begin; b < end; ++b) {
     const Filters filters = a.params.filters(b);

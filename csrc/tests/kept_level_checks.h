@@ -7,7 +7,7 @@ __attribute__((noinline)) bool search_with_hint(Scratch& scratch, int64_t vocab,
   const auto floor_key = [x_max, hint](float e) {
     return hint == 0 ? sort_key(x_max + std::log(e)) : hint == 1 ? 0u : sort_key(x_max);
   };
-  return search_threshold(scratch, vocab, 0.0, top_p, floor_key, key);
+  return histogram_search(scratch, vocab, 0.0, top_p, floor_key, key);  // (small rows too)
 }
 
 // keep_from_key keeps exactly the tokens with key >= key_floor, in order, with their ids

@@ -48,9 +48,15 @@ struct Params {
   }
 };
 
+// t itself when it already has the type and is contiguous (no dispatcher call), else a copy.
+at::Tensor as_type(const at::Tensor& t, at::ScalarType type) {
+  if (t.scalar_type() == type && t.is_contiguous()) return t;
+  return t.to(type).contiguous();
+}
+
 at::Tensor small(const at::Tensor& t, const char* name, int64_t batch, at::ScalarType type) {
   check_cpu(t, name, {batch});
-  return t.to(type).contiguous();
+  return as_type(t, type);
 }
 
 Params params_of(int64_t batch, const at::Tensor& temperature, const at::Tensor& top_k,
@@ -94,6 +100,19 @@ int64_t grain(int64_t rows_per_request, int64_t vocab) {
   return work >= 16384 ? 1 : 16384 / (work > 0 ? work : 1);
 }
 
+// body(begin, end) over requests [0, count): in tasks of `grain` requests (at::parallel_for),
+// or on this thread when the call is one task (as parallel_for would, without its
+// bookkeeping: a tiny call opens no OpenMP region and costs about its work).
+template <class F>
+void for_requests(int64_t count, int64_t grain_size, const F& body) {
+  if (count <= 0) return;
+  if (count <= grain_size) {
+    body(int64_t{0}, count);
+    return;
+  }
+  at::parallel_for(0, count, grain_size, body);
+}
+
 // Both layouts: target [R, V] rows, drafts [D] / [D, V]; row indices (packed) or null.
 // return_logprobs as an int (0 none, 1 processed, 2 raw); the result's tensor is empty for 0.
 cpu::Logprobs logprobs_of(int64_t kind) {
@@ -123,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
   check_cpu(target_logits, "target_logits", target_logits.sizes());
   check_cpu(draft_token_ids, "draft_token_ids", draft_token_ids.sizes());
   const at::Tensor target = target_logits.contiguous();
-  const at::Tensor ids = draft_token_ids.to(at::kLong).contiguous();
+  const at::Tensor ids = as_type(draft_token_ids, at::kLong);
   const at::Tensor n = small(num_draft_tokens, "num_draft_tokens", batch, at::kInt);
   const Params params = params_of(batch, temperature, top_k, top_p, min_p, seed, offset);
   cpu::ChainArgs args;
@@ -138,8 +157,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
   if (target_rows != nullptr) {  // packed: every index in range (memory safety)
     check_cpu(*target_rows, "target_rows", {batch, rows});
     check_cpu(*draft_rows, "draft_rows", {batch, num_drafts});
-    target_index = target_rows->to(at::kLong).contiguous();
-    draft_index = draft_rows->to(at::kLong).contiguous();
+    target_index = as_type(*target_rows, at::kLong);
+    draft_index = as_type(*draft_rows, at::kLong);
     TORCH_CHECK(target_index.numel() == 0 || (target_index.min().item<int64_t>() >= 0 &&
                                               target_index.max().item<int64_t>() < target_count),
                 "target_rows out of range");
@@ -215,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
   args.output_token_ids = out.data_ptr<int32_t>();
   args.num_accepted = accepted.data_ptr<int32_t>();
   args.logprobs = logprobs.numel() ? logprobs.data_ptr<float>() : nullptr;
-  at::parallel_for(0, batch, grain(rows, vocab),
+  for_requests(batch, grain(rows, vocab),
                    [&](int64_t begin, int64_t end) { cpu::verify_chain(args, begin, end); });
   return {out, accepted, logprobs};
 }
@@ -278,7 +297,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_sample(
   at::Tensor logprobs = logprobs_tensor(args.logprobs_kind, {batch}, x);
   args.tokens = tokens.data_ptr<int32_t>();
   args.logprobs = logprobs.numel() ? logprobs.data_ptr<float>() : nullptr;
-  at::parallel_for(0, batch, grain(1, vocab),
+  for_requests(batch, grain(1, vocab),
                    [&](int64_t begin, int64_t end) { cpu::sample(args, begin, end); });
   return {tokens, logprobs};
 }
@@ -301,8 +320,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cpu_verify_tree(
   check_cpu(tree_token_ids, "tree_token_ids", {batch, nodes});
   check_cpu(parents, "parents", {batch, nodes});
   const at::Tensor target = target_logits.contiguous();
-  const at::Tensor ids = tree_token_ids.to(at::kLong).contiguous();
-  const at::Tensor par = parents.to(at::kLong).contiguous();
+  const at::Tensor ids = as_type(tree_token_ids, at::kLong);
+  const at::Tensor par = as_type(parents, at::kLong);
   const at::Tensor live = small(num_nodes, "num_nodes", batch, at::kInt);
   const Params params = params_of(batch, temperature, top_k, top_p, min_p, seed, offset);
   cpu::TreeArgs args;
@@ -337,7 +356,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cpu_verify_tree(
   args.accepted_nodes = path.data_ptr<int32_t>();
   args.num_accepted = accepted.data_ptr<int32_t>();
   args.logprobs = logprobs.numel() ? logprobs.data_ptr<float>() : nullptr;
-  at::parallel_for(0, batch, grain(nodes, vocab),
+  for_requests(batch, grain(nodes, vocab),
                    [&](int64_t begin, int64_t end) { cpu::verify_tree(args, begin, end); });
   return {out, path, accepted, logprobs};
 }
@@ -362,7 +381,7 @@ at::Tensor cpu_processed_probs(const at::Tensor& logits, const at::Tensor& tempe
   set_logits(args, x, vocab, bitmask_of(token_bitmask, {rows}, vocab, bitmask), params);
   at::Tensor probs = at::empty({rows, vocab}, x.options().dtype(at::kFloat));
   args.probs = probs.data_ptr<float>();
-  at::parallel_for(0, rows, grain(1, vocab),
+  for_requests(rows, grain(1, vocab),
                    [&](int64_t begin, int64_t end) { cpu::processed_probs(args, begin, end); });
   return probs;
 }
