@@ -118,7 +118,8 @@ def run_file(version: str, home: pathlib.Path, plugin: str, test_file: str, env:
            "-q", "-rA", "-p", "no:cacheprovider", f"--junitxml={report}", test_file, *extra]
     log = report.with_suffix(".log")
     log.unlink(missing_ok=True)
-    env = dict(env, ENGINE_TESTS_LOG=str(log))
+    env = dict(env, ENGINE_TESTS_LOG=str(log),
+               ENGINE_TESTS_MEMORY_GB=os.environ.get("ENGINE_TESTS_MEMORY_GB", "12"))
     start = time.monotonic()
     limit = int(os.environ.get("ENGINE_TESTS_FILE_TIMEOUT", "5400"))
     try:
