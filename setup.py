@@ -1,13 +1,20 @@
 """Build and package specdec_kernels.
 
 The compiled extension ``specdec_kernels._C`` registers the ``torch.ops.specdec`` ops
-(tree-attention metadata, KV-cache compaction). With nvcc available (``CUDA_HOME`` or
-``/usr/local/cuda``) it is a CUDAExtension compiled for sm_80 and sm_90 with the CUDA
-dispatch registered (``SPECDEC_WITH_CUDA``); otherwise, or with ``SPECDEC_FORCE_CPU=1``, a
-CPU-only CppExtension.
+(tree-attention metadata, KV-cache compaction, the C++ CPU path). It is built against the
+torch already installed in the environment (hence ``--no-build-isolation``). When that torch
+is a CUDA build (``torch.version.cuda``) and nvcc is found (``CUDA_HOME`` or
+``/usr/local/cuda``) it is a CUDAExtension compiled for sm_80 and sm_90 with the CUDA dispatch
+registered (``SPECDEC_WITH_CUDA``); otherwise (a CPU torch, whatever nvcc the machine has; no
+nvcc; or ``SPECDEC_FORCE_CPU=1``) a CPU-only CppExtension.
 
     MAX_JOBS=2 python setup.py build_ext --inplace     # the extension, in place
-    pip install . --no-build-isolation                  # into an environment (builds it)
+    pip install --no-build-isolation .                  # into an environment (builds it)
+
+Installed with pip, the extension is optional: if it does not compile (no C++ compiler, a
+toolkit that does not match torch's CUDA), the package installs without it, says so once in
+pip's output, and runs on the Triton and reference backends. ``SPECDEC_REQUIRE_EXTENSION=1``
+(and every in-place build, as ``make`` runs it) makes that failure an error.
 
 ``make`` builds the torch-free core once, with CMake (``build/cmake/libspecdec_core.a``, the
 library the C++ tests link), and passes it as ``SPECDEC_CORE_LIB``: the extension then links
@@ -39,7 +46,25 @@ def _find_cuda_home() -> str | None:
     return None
 
 
-CUDA_HOME = None if os.environ.get("SPECDEC_FORCE_CPU") == "1" else _find_cuda_home()
+try:
+    import torch
+except ImportError as exc:  # pip's isolated build environment, or no torch installed yet
+    raise SystemExit(
+        "specdec_kernels builds against the torch of the environment it goes into: install "
+        "torch first, then `pip install --no-build-isolation .` (without that flag pip builds "
+        f"in an empty environment with no torch) ({exc})") from exc
+
+
+def _cuda_build() -> str | None:
+    """CUDA_HOME when the extension should be a CUDAExtension: torch is a CUDA build and nvcc
+    is found. A CPU torch (torch.version.cuda is None) cannot compile or load CUDA code, and
+    torch.utils.cpp_extension refuses a CUDAExtension there (CUDA_HOME not set)."""
+    if os.environ.get("SPECDEC_FORCE_CPU") == "1" or not torch.version.cuda:
+        return None
+    return _find_cuda_home()
+
+
+CUDA_HOME = _cuda_build()
 
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
@@ -107,13 +132,44 @@ def _extension():
     )
 
 
+class _BuildExtension(BuildExtension):
+    """torch's BuildExtension; under pip an extension that fails to compile is left out with
+    one warning (the package runs without it), unless SPECDEC_REQUIRE_EXTENSION=1 or the build
+    is in place (make's), where the failure stays an error."""
+
+    def build_extensions(self):
+        try:
+            super().build_extensions()  # (torch's compiler checks, then each extension)
+        except Exception as exc:  # no working compiler: CalledProcessError, RuntimeError, ...
+            if self.inplace or os.environ.get("SPECDEC_REQUIRE_EXTENSION") == "1":
+                raise
+            names = [ext.name for ext in self.extensions]
+            self.warn(f"specdec_kernels: the compiled extension {', '.join(names)} did not "
+                      f"build ({type(exc).__name__}: {exc}); installing without it: the C++ "
+                      "CPU path and the extension ops are unavailable, the Triton and "
+                      "reference backends run (SPECDEC_REQUIRE_EXTENSION=1 makes this an "
+                      "error)")
+            self._failed.extend(names)
+
+    def initialize_options(self):
+        super().initialize_options()
+        self._failed = []
+
+    def get_outputs(self):  # what pip records: not the file of an extension left out
+        failed = {self.get_ext_fullpath(name) for name in self._failed}
+        return [path for path in super().get_outputs() if path not in failed]
+
+
 setup(
     name="specdec_kernels",
     version="0.1.0",
     description="Fused kernels for speculative-decoding verification",
     packages=find_packages(include=["specdec_kernels", "specdec_kernels.*"]),
     python_requires=">=3.10",
+    # Run time: numpy. torch is not declared: the extension is compiled against the torch
+    # already installed (the engine's), and pip must never replace it.
+    install_requires=["numpy"],
     ext_modules=[] if os.environ.get("SPECDEC_SKIP_EXTENSION") == "1" else [_extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": _BuildExtension},
     zip_safe=False,
 )
