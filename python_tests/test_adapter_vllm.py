@@ -985,3 +985,5 @@ def test_vllm_malformed_spec_token_ids_with_probs_raise_before_any_write(spec):
     with pytest.raises(ValueError, match="^spec_token_ids"):
         vllm.rejection_sample(metadata, draft_probs, logits, sampling, seed=0, validate=False)
     assert torch.equal(logits, before)
+    sampling.spec_token_ids = []  # no host lists (vLLM's own tests): accepted
+    vllm.rejection_sample(metadata, draft_probs, logits, sampling, seed=0, validate=False)

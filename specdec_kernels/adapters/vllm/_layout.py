@@ -97,8 +97,10 @@ def parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask) 
     check_sampling(sampling_metadata, batch, vocab, device)
     if draft_probs is not None:  # its -1 drafts are found from the host lists
         spec = getattr(sampling_metadata, "spec_token_ids", None)
-        if spec is not None and (isinstance(spec, torch.Tensor) or len(spec) < batch or any(
-                not isinstance(spec[b], (list, tuple)) for b in range(batch))):
+        # None or [] (vLLM's own tests pass []): no host lists, so no -1 drafts looked for.
+        if spec is not None and (isinstance(spec, torch.Tensor) or len(spec) and (
+                len(spec) < batch or any(not isinstance(spec[b], (list, tuple))
+                                         for b in range(batch)))):
             raise ValueError(f"spec_token_ids: expected one host list of draft ids per "
                              f"request ({batch}) with draft_probs, got "
                              f"{type(spec).__name__}" + ("" if isinstance(spec, torch.Tensor)
