@@ -5,10 +5,13 @@ setuptools, then ``pip install --no-build-isolation <a copy of this checkout>``,
 extension does not compile, pip still installs the package, says why once, and it runs on the
 reference backend.
 
-Slow (a venv, a torch wheel unpacked, the extension compiled without ninja: about 10 min on 2
-loaded AMD EPYC cores, the fallback about 2 min), so off unless SPECDEC_INSTALL_TEST=1;
-SPECDEC_INSTALL_TORCH names the torch versions to try (default "2.13.0"; pip takes them from
-its configured index, e.g. this machine's wheels on disk).
+Slow, so off unless SPECDEC_INSTALL_TEST=1 (AMD EPYC, 2 cores, loaded by other jobs): the
+fallback 1.5 min (most of it unpacking torch); the full install compiles the core's three
+instruction-set builds with setuptools' compiler (no ninja in the venv): 50 min wall there for
+torch 2.13.0+cpu (niced, load ~13), minutes on an idle machine. SPECDEC_INSTALL_TORCH names the
+torch versions to try (default "2.13.0"; "2.13.0 2.14.1" for both; pip takes them from its
+configured index, e.g. this machine's wheels on disk; 2.14.1's CUDA wheel brings 5 GB of CUDA
+libraries).
 """
 from __future__ import annotations
 
