@@ -8,6 +8,8 @@ path's ``specdec::cpu_*`` ops. Nothing here touches a GPU.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 OPS = ("build_tree_attention", "compact_kv_cache", "compact_paged_kv_cache")
@@ -19,6 +21,10 @@ try:
 except ImportError as exc:  # not built: every op falls back to the reference
     HAS_EXTENSION = False
     IMPORT_ERROR = exc
+    # Once per process (the module is imported once): say what runs instead.
+    warnings.warn(f"specdec_kernels: the compiled extension is not available ({exc}); the "
+                  f"C++ CPU path and the extension's kernels are off, the Triton and "
+                  f"reference backends run", RuntimeWarning, stacklevel=2)
 
 # (op, device type) -> whether the extension has a kernel for it. Computed once at import,
 # a plain dict so that torch.compile traces the backend choice without a graph break.
