@@ -155,3 +155,26 @@ def test_a_call_under_fake_tensor_mode_leaves_no_fake_tensor_in_the_caches():
     out = sk.verify_chain(torch.randn(3, 3, 50), torch.zeros(3, 2, dtype=torch.int64),
                           temperature=0.7, top_p=0.9, seed=1)
     assert token.shape == (3,) and out.output_token_ids.shape == (3, 3)
+
+
+def test_the_caches_serve_real_tensors_under_modes_that_are_not_tracing():
+    """Only tracing bypasses the caches: a profiler's or a test's dispatch mode and
+    ``with torch.device(...)`` (a function mode) run real tensors, and the second of two
+    identical calls there pays no parsing (test_host_path counts its ops under such a mode;
+    a guard on every dispatch mode made it pay a fill per parameter)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from specdec_kernels import _params
+
+    class _Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert not _params._tracing()
+    with _Passthrough():
+        assert not _params._tracing()
+    with torch.device("cpu"):
+        assert not _params._tracing()
+    with FakeTensorMode():
+        assert _params._tracing()
+    assert _params._tracing() is False

@@ -455,12 +455,18 @@ _KEY_TYPES = frozenset((int, float, bool, str, type(None)))
 
 
 def _tracing() -> bool:
-    """Compiling, or under a dispatch mode (FakeTensorMode, make_fx), a function mode or a
-    functorch transform: those must see the parsing, and a tensor made there (a fake one)
-    must never enter a cache that later eager calls read."""
-    return (torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack())
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active())
+    """Compiling, under a tracing dispatch mode (FakeTensorMode, make_fx's proxy mode,
+    functionalization) or a functorch transform: those must see the parsing, and a tensor made
+    there (a fake one) must never enter a cache that later eager calls read. Other modes (a
+    profiler's or a test's op counter, ``with torch.device(...)``) run real tensors, and the
+    caches serve them as they serve plain eager calls."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return True
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+
+
+_TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, name)
+                       for name in ("FAKE", "PROXY", "FUNCTIONAL"))
 
 
 def call_key(*args) -> Optional[tuple]:
