@@ -178,3 +178,53 @@ def test_the_caches_serve_real_tensors_under_modes_that_are_not_tracing():
     with FakeTensorMode():
         assert _params._tracing()
     assert _params._tracing() is False
+
+
+def _packed_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, 2, 2, 5])  # request 1 has no drafts, request 2 three
+    num_packed, batch = 5, 3
+    return dict(logits=torch.randn(num_packed + batch, V, generator=g),
+                ids=torch.randint(0, V, (num_packed,), generator=g), cu=cu,
+                probs=torch.softmax(torch.randn(num_packed, V, generator=g), -1),
+                seed=torch.arange(batch) + 5, offset=torch.zeros(batch, dtype=torch.int64))
+
+
+def test_a_repeated_packed_call_reuses_its_plan_and_still_checks_its_offsets(monkeypatch):
+    x = _packed_inputs()
+    built = []
+    plan = chain._packed_plan
+    monkeypatch.setattr(chain, "_packed_plan", lambda *a: built.append(1) or plan(*a))
+    monkeypatch.setattr(chain, "_PACKED_PLANS", {})
+    call = lambda cu, **kw: sk.verify_chain_packed(  # noqa: E731
+        x["logits"], x["ids"], cu, max_draft_tokens=K, draft_probs=x["probs"], temperature=0.7,
+        seed=x["seed"], offset=x["offset"], **kw)
+    first, second = call(x["cu"]), call(x["cu"])
+    assert len(built) == 1 and torch.equal(first.output_token_ids, second.output_token_ids)
+    reference = call(x["cu"], backend="reference")
+    assert torch.equal(first.output_token_ids, reference.output_token_ids)
+    with pytest.raises(ValueError, match="^cu_num_draft_tokens"):
+        call(torch.tensor([0, 3, 2, 5]))  # the same structure, a bad value: still checked
+    assert len(built) == 2  # (the reference call's backend is its own structure)
+
+
+@pytest.mark.skipif(not sk._cpu.AVAILABLE, reason="needs the compiled C++ CPU path")
+def test_the_cpp_packed_rows_equal_the_reference_layout_on_garbage_offsets():
+    """The C++ op derives each request's rows from ``cu_num_draft_tokens`` itself: on garbage
+    offsets (validate=False: decreasing, past T, negative, int64 extremes whose differences
+    wrap) it reads the rows the reference's ``packed_layout`` gives, token for token."""
+    x = _packed_inputs(1)
+    big, small = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min
+    offsets = [[0, 2, 2, 5], [3, 1, 9, -4], [small, big, 0, 5], [big, small, small + 1, 2],
+               [-1, 6, 2, 2], [0, 5, 5, 5], [5, 0, 0, 0]]
+    for cu in offsets:
+        for dtype in (torch.int64, torch.int32):
+            cu_t = torch.tensor(cu, dtype=torch.int64)
+            if dtype is torch.int32:
+                cu_t = cu_t.clamp(-2**31, 2**31 - 1).to(torch.int32)
+            outs = [sk.verify_chain_packed(
+                x["logits"], x["ids"], cu_t, max_draft_tokens=K, draft_probs=x["probs"],
+                temperature=0.7, seed=x["seed"], offset=x["offset"], backend=backend,
+                validate=False) for backend in ("auto", "reference")]
+            assert torch.equal(outs[0].output_token_ids, outs[1].output_token_ids), cu
+            assert torch.equal(outs[0].num_accepted, outs[1].num_accepted), cu

@@ -108,18 +108,20 @@ def _logprobs(values, return_logprobs):
 
 
 def verify_chain(target_logits, draft_token_ids, draft_probs, draft_logits, n, params, seeds,
-                 offsets, token_bitmask, layout=None, method="token", return_logprobs=None,
+                 offsets, token_bitmask, packed=None, method="token", return_logprobs=None,
                  draft_slots=None, draft_temperature=None):
-    """``(output_token_ids, num_accepted, logprobs)``; ``layout``: packed inputs, read in
-    place; ``draft_slots`` / ``draft_temperature``: per-slot draft rows ``[S, K', V']`` read
-    in place through the slots, the draft logits' own temperature (parsed by ``chain``)."""
+    """``(output_token_ids, num_accepted, logprobs)``; ``packed``: ``(cu_num_draft_tokens,
+    max_draft_tokens)`` of packed inputs, read in place (the C++ op derives each request's
+    rows from the offsets; ``n`` is then unused); ``draft_slots`` / ``draft_temperature``:
+    per-slot draft rows ``[S, K', V']`` read in place through the slots, the draft logits' own
+    temperature (parsed by ``chain``)."""
     min_p = params.min_p if params.uses_min_p else None
     flags = (CHAIN_METHODS[method], _LOGPROBS[return_logprobs], draft_slots, draft_temperature)
-    if layout is not None:
+    if packed is not None:
         out, accepted, logprobs = torch.ops.specdec.cpu_verify_chain_packed(
-            target_logits, draft_token_ids, draft_probs, draft_logits, layout.target_rows,
-            layout.draft_rows, n, params.temperature, params.top_k, params.top_p, min_p,
-            token_bitmask, seeds, offsets, *flags)
+            target_logits, draft_token_ids, draft_probs, draft_logits, *packed,
+            params.temperature, params.top_k, params.top_p, min_p, token_bitmask, seeds,
+            offsets, *flags)
     else:
         out, accepted, logprobs = torch.ops.specdec.cpu_verify_chain(
             target_logits, draft_token_ids, draft_probs, draft_logits, n, params.temperature,

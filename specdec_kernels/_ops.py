@@ -519,7 +519,7 @@ def _cpu_verify_chain_args(target_logits, draft_token_ids, draft_probs, draft_lo
 
 
 def _cpu_verify_chain_packed_args(target_logits, draft_token_ids, draft_probs, draft_logits,
-                                  target_rows, draft_rows, num_draft_tokens, temperature, top_k,
+                                  cu_num_draft_tokens, max_draft_tokens, temperature, top_k,
                                   top_p, min_p, token_bitmask, seed, offset, method,
                                   logprobs, draft_slots=None, draft_temperature=None): ...
 
@@ -559,8 +559,8 @@ def _(target_logits, logprobs, **_):
 
 
 @_cpp_fake("cpu_verify_chain_packed", _cpu_verify_chain_packed_args)
-def _(target_logits, target_rows, logprobs, **_):
-    batch, rows = target_rows.shape
+def _(target_logits, cu_num_draft_tokens, max_draft_tokens, logprobs, **_):
+    batch, rows = cu_num_draft_tokens.shape[0] - 1, max_draft_tokens + 1
     return (*_chain_shapes(target_logits, None, batch=batch, rows=rows),
             _cpp_logprobs(target_logits, (batch, rows), logprobs))
 

@@ -11,7 +11,6 @@ from ._params import PerRequest
 from ._rng import MAX_POSITION
 from ._types import ChainVerifyOutput  # the result type lives at the bottom (docs/layers.md)
 from .reference import chain as _reference
-from .reference.packed import packed_layout
 
 
 METHODS = _reference.METHODS  # contract sections 3 and 12: ("token", "block")
@@ -299,6 +298,80 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
             min_p=min_p, token_bitmask=token_bitmask, seed=seed, offset=offset, method=method,
             return_logprobs=return_logprobs, backend=backend, validate=validate,
             draft_slots=draft_slots, draft_temperature=draft_temperature)
+    key = _params.call_key(target_logits, draft_token_ids, cu_num_draft_tokens,
+                           max_draft_tokens, draft_probs, draft_logits, temperature, top_k,
+                           top_p, min_p, token_bitmask, method, return_logprobs, backend,
+                           validate, draft_slots, draft_temperature)
+    plan = _PACKED_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _packed_plan(target_logits, draft_token_ids, cu_num_draft_tokens,
+                            max_draft_tokens, draft_probs, draft_logits, temperature, top_k,
+                            top_p, min_p, token_bitmask, method, return_logprobs, backend,
+                            validate, draft_slots, draft_temperature)
+        if key is not None:
+            _params.remember(_PACKED_PLANS, key, plan)
+    batch, device = plan.batch, plan.device
+    values: list = []  # the tensors whose values a validated call checks, in one read
+    params = plan.params
+    if params is None:  # some parameter is a tensor: parsed (and its values read) per call
+        params = _params.sampling_params(temperature, top_k, top_p, batch=batch,
+                                         vocab_size=plan.vocab, device=device,
+                                         validate=validate, min_p=min_p, checks=values)
+    else:
+        values += (None, None, None, None)
+    values += (draft_token_ids, cu_num_draft_tokens)
+    slots = draft_temp = None
+    if plan.num_slots:
+        slots = _params.draft_slots(draft_slots, plan.num_slots, batch, device, True, values)
+    else:
+        values.append(None)
+    if draft_temperature is not None and plan.draft_temperature is not None:
+        draft_temp = plan.draft_temperature
+        values.append(None)
+    else:
+        draft_temp = _params.draft_temperature(draft_temperature, batch, device, True, values)
+    if validate:
+        _params.check_values("verify_chain_packed", values,
+                             [max_draft_tokens, plan.vocab, plan.num_slots])
+    # Last: seed=None draws from torch's generator, which a rejected call must not advance.
+    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
+    if plan.cpp:  # the C++ op derives each request's rows from the offsets, in place
+        return ChainVerifyOutput(*_cpu.verify_chain(
+            target_logits, draft_token_ids, draft_probs, draft_logits, None, params, seeds,
+            offsets, token_bitmask, (cu_num_draft_tokens, max_draft_tokens), method,
+            return_logprobs, draft_slots=slots, draft_temperature=draft_temp))
+    # Triton reads the packed rows in place; the reference's definition is the padded layout.
+    op = "triton_verify_chain_packed" if plan.use_triton else "reference_verify_chain_packed"
+    out, accepted, *logprobs = _ops.call(
+        op,
+        target_logits, draft_token_ids, cu_num_draft_tokens, max_draft_tokens, draft_probs,
+        draft_logits, *_ops.params_args(params), seeds, offsets, token_bitmask, method,
+        return_logprobs, slots, draft_temp)
+    return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))
+
+
+class _PackedPlan(NamedTuple):
+    """What a packed call's structure decides (``_packed_plan``): None where a tensor
+    argument is parsed per call."""
+    batch: int
+    vocab: int
+    device: torch.device
+    use_triton: bool
+    cpp: bool                   # the C++ CPU path runs the call
+    params: Optional[object]    # SamplingParams of Python numbers
+    num_slots: int              # S with draft_slots, else 0
+    draft_temperature: Optional[torch.Tensor]  # parsed, for a Python number
+
+
+_PACKED_PLANS: dict = {}
+
+
+def _packed_plan(target_logits, draft_token_ids, cu_num_draft_tokens, max_draft_tokens,
+                 draft_probs, draft_logits, temperature, top_k, top_p, min_p, token_bitmask,
+                 method, return_logprobs, backend, validate, draft_slots,
+                 draft_temperature) -> _PackedPlan:
+    """Every host check of a packed call, in the contract's order (the checks of tensor
+    values come later, per call), and what the structure decides."""
     _params.check_tensor(target_logits, "target_logits", ndim=2, dtypes=_params.LOGIT_DTYPES)
     device = target_logits.device
     total_rows, vocab = target_logits.shape
@@ -332,32 +405,16 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
     check_method(method)
     _params.check_return_logprobs(return_logprobs)
     use_triton = _backend.resolve(backend, device) == "triton"
-    values: list = []
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
-                                     device=device, validate=validate, min_p=min_p,
-                                     checks=values)
-    values += [draft_token_ids, cu_num_draft_tokens]
+                                     device=device, validate=validate, min_p=min_p, checks=[])
+    if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p, min_p)):
+        params = None
     slots, draft_temp, num_slots = _draft_arguments(
-        slotted, draft_probs, draft_logits, draft_slots, draft_temperature, batch, device,
-        values)
-    if validate:
-        _params.check_values("verify_chain_packed", values, [max_draft_tokens, vocab, num_slots])
-    seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
-    if not use_triton and _cpu.selected(backend, device) and \
-            _cpu.runs_chain(target_logits, draft_probs, method):
-        layout = packed_layout(cu_num_draft_tokens, num_packed, max_draft_tokens)
-        return ChainVerifyOutput(*_cpu.verify_chain(
-            target_logits, draft_token_ids, draft_probs, draft_logits, layout.num_draft_tokens,
-            params, seeds, offsets, token_bitmask, layout, method, return_logprobs,
-            draft_slots=slots, draft_temperature=draft_temp))
-    # Triton reads the packed rows in place; the reference's definition is the padded layout.
-    op = "triton_verify_chain_packed" if use_triton else "reference_verify_chain_packed"
-    out, accepted, *logprobs = _ops.call(
-        op,
-        target_logits, draft_token_ids, cu_num_draft_tokens, max_draft_tokens, draft_probs,
-        draft_logits, *_ops.params_args(params), seeds, offsets, token_bitmask, method,
-        return_logprobs, slots, draft_temp)
-    return ChainVerifyOutput(out, accepted, _ops.logprobs_or_none(logprobs))
+        slotted, draft_probs, draft_logits, draft_slots, draft_temperature, batch, device, [])
+    cpp = not use_triton and _cpu.selected(backend, device) and \
+        _cpu.runs_chain(target_logits, draft_probs, method)
+    return _PackedPlan(batch, vocab, device, use_triton, cpp, params, num_slots,
+                       None if isinstance(draft_temperature, torch.Tensor) else draft_temp)
 
 
 def check_method(method) -> None:

@@ -165,7 +165,7 @@ def _pad_then_verify(backend: str, case: Case):
     """What an engine pays today: gather the packed rows into ``[B, K+1, V]`` (a copy of the
     logits, from offsets computed on the device), then ``verify_chain``."""
     import specdec_kernels as sk  # noqa: PLC0415
-    from specdec_kernels.chain import packed_layout  # noqa: PLC0415
+    from specdec_kernels.reference.packed import packed_layout  # noqa: PLC0415
     k = case.params["K"]
 
     def run(x):

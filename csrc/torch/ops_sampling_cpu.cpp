@@ -128,7 +128,7 @@ at::Tensor logprobs_tensor(cpu::Logprobs kind, at::IntArrayRef shape, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
-    const at::Tensor* target_rows, const at::Tensor* draft_rows, int64_t batch,
+    const int64_t* target_rows, const int64_t* draft_rows, int64_t batch,
     int64_t num_drafts, const at::Tensor& num_draft_tokens, const at::Tensor& temperature,
     const at::Tensor& top_k, const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
@@ -151,29 +151,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
   args.vocab = vocab;
   args.target = target.data_ptr();
   args.target_dtype = dtype_of(target, "target_logits");
-  at::Tensor bitmask, target_index, draft_index;
+  at::Tensor bitmask;
   args.bitmask = bitmask_of(token_bitmask, target_logits.sizes().slice(0, target_logits.dim() - 1),
                             vocab, bitmask);
-  if (target_rows != nullptr) {  // packed: every index in range (memory safety)
-    check_cpu(*target_rows, "target_rows", {batch, rows});
-    check_cpu(*draft_rows, "draft_rows", {batch, num_drafts});
-    target_index = as_type(*target_rows, at::kLong);
-    draft_index = as_type(*draft_rows, at::kLong);
-    TORCH_CHECK(target_index.numel() == 0 || (target_index.min().item<int64_t>() >= 0 &&
-                                              target_index.max().item<int64_t>() < target_count),
-                "target_rows out of range");
-    TORCH_CHECK(draft_index.numel() == 0 || (draft_index.min().item<int64_t>() >= 0 &&
-                                             draft_index.max().item<int64_t>() <= draft_count),
-                "draft_rows out of range");
-    const int32_t* counts = n.data_ptr<int32_t>();
-    const int64_t* d = draft_index.data_ptr<int64_t>();
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t j = 0; j < std::min<int64_t>(std::max<int32_t>(counts[b], 0), num_drafts); ++j) {
-        TORCH_CHECK(d[b * num_drafts + j] < draft_count, "draft_rows: a live draft's row >= T");
-      }
-    }
-    args.target_rows = target_index.data_ptr<int64_t>();
-    args.draft_rows = draft_index.data_ptr<int64_t>();
+  if (target_rows != nullptr) {  // packed: rows from packed_rows, in range by construction
+    TORCH_CHECK(target_count == draft_count + batch,
+                "packed: target_logits [T+B, V] and draft_token_ids [T] disagree");
+    args.target_rows = target_rows;
+    args.draft_rows = draft_rows;
   } else {
     TORCH_CHECK(target_count == batch * rows && draft_count == batch * num_drafts,
                 "target_logits [B, K+1, V] and draft_token_ids [B, K] disagree");
@@ -258,23 +243,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain(
                    draft_temperature);
 }
 
+// The packed layout's rows (the reference's packed_layout, in one pass over the offsets cu
+// [B+1] instead of a dozen small torch ops): request b starts at s = clamp(cu[b], 0, T) with
+// n_b = min(clamp(cu[b+1] - cu[b], 0, K), T - s) live drafts; its target row j is
+// s + b + min(j, n_b), its draft row j is s + j (T, the padding row, past n_b). Garbage
+// offsets (validate=False) give rows in range all the same.
+struct PackedRows {
+  std::vector<int64_t> target, draft;
+  at::Tensor counts;  // int32 [B]
+};
+
+PackedRows packed_rows(const at::Tensor& cu_num_draft_tokens, int64_t num_packed,
+                       int64_t num_drafts, const at::Tensor& like) {
+  TORCH_CHECK(cu_num_draft_tokens.dim() == 1 && cu_num_draft_tokens.size(0) >= 1,
+              "cu_num_draft_tokens must be [B+1], got ", cu_num_draft_tokens.sizes());
+  TORCH_CHECK(cu_num_draft_tokens.device().is_cpu(), "cu_num_draft_tokens must be a CPU tensor");
+  TORCH_CHECK(num_drafts >= 0, "max_draft_tokens must be >= 0");
+  const int64_t batch = cu_num_draft_tokens.size(0) - 1, rows = num_drafts + 1;
+  const at::Tensor cu = as_type(cu_num_draft_tokens, at::kLong);
+  const int64_t* c = cu.data_ptr<int64_t>();
+  PackedRows out;
+  out.target.resize(static_cast<size_t>(batch * rows));
+  out.draft.resize(static_cast<size_t>(batch * num_drafts));
+  out.counts = at::empty({batch}, like.options().dtype(at::kInt));
+  int32_t* counts = out.counts.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = std::clamp<int64_t>(c[b], 0, num_packed);
+    // cu[b+1] - cu[b] wrapping as torch's int64 subtraction does (garbage offsets alike).
+    const int64_t difference =
+        static_cast<int64_t>(static_cast<uint64_t>(c[b + 1]) - static_cast<uint64_t>(c[b]));
+    const int64_t live =
+        std::min<int64_t>(std::clamp<int64_t>(difference, 0, num_drafts), num_packed - start);
+    counts[b] = static_cast<int32_t>(live);
+    for (int64_t j = 0; j < rows; ++j) out.target[b * rows + j] = start + b + std::min(j, live);
+    for (int64_t j = 0; j < num_drafts; ++j) {
+      out.draft[b * num_drafts + j] = j < live ? start + j : num_packed;
+    }
+  }
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain_packed(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
-    const at::Tensor& target_rows, const at::Tensor& draft_rows,
-    const at::Tensor& num_draft_tokens, const at::Tensor& temperature, const at::Tensor& top_k,
-    const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
-    const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
-    const at::Tensor& offset, int64_t method, int64_t logprobs,
+    const at::Tensor& cu_num_draft_tokens, int64_t max_draft_tokens,
+    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& token_bitmask,
+    const at::Tensor& seed, const at::Tensor& offset, int64_t method, int64_t logprobs,
     const std::optional<at::Tensor>& draft_slots,
     const std::optional<at::Tensor>& draft_temperature) {
-  TORCH_CHECK(target_logits.dim() == 2 && draft_token_ids.dim() == 1 && target_rows.dim() == 2,
-              "packed: target_logits [T+B, V], draft_token_ids [T], target_rows [B, K+1]");
-  const int64_t batch = target_rows.size(0), num_drafts = target_rows.size(1) - 1;
-  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, &target_rows,
-                   &draft_rows, batch, num_drafts, num_draft_tokens, temperature, top_k, top_p,
-                   min_p, token_bitmask, seed, offset, method, logprobs, draft_slots,
-                   draft_temperature);
+  TORCH_CHECK(target_logits.dim() == 2 && draft_token_ids.dim() == 1,
+              "packed: target_logits [T+B, V], draft_token_ids [T]");
+  const PackedRows layout = packed_rows(cu_num_draft_tokens, draft_token_ids.size(0),
+                                        max_draft_tokens, target_logits);
+  const int64_t batch = cu_num_draft_tokens.size(0) - 1;
+  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits,
+                   layout.target.data(), layout.draft.data(), batch, max_draft_tokens,
+                   layout.counts, temperature, top_k, top_p, min_p, token_bitmask, seed, offset,
+                   method, logprobs, draft_slots, draft_temperature);
 }
 
 std::tuple<at::Tensor, at::Tensor> cpu_sample(
@@ -438,7 +464,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "-> (Tensor, Tensor, Tensor)");
   m.def(
       "cpu_verify_chain_packed(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
-      "Tensor? draft_logits, Tensor target_rows, Tensor draft_rows, Tensor num_draft_tokens, "
+      "Tensor? draft_logits, Tensor cu_num_draft_tokens, int max_draft_tokens, "
       "Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, Tensor? token_bitmask, "
       "Tensor seed, Tensor offset, int method, int logprobs, Tensor? draft_slots=None, "
       "Tensor? draft_temperature=None) -> (Tensor, Tensor, Tensor)");
