@@ -228,3 +228,91 @@ def test_the_cpp_packed_rows_equal_the_reference_layout_on_garbage_offsets():
                 validate=False) for backend in ("auto", "reference")]
             assert torch.equal(outs[0].output_token_ids, outs[1].output_token_ids), cu
             assert torch.equal(outs[0].num_accepted, outs[1].num_accepted), cu
+
+
+@pytest.mark.skipif(not sk._cpu.AVAILABLE, reason="needs the compiled C++ CPU path")
+def test_the_cpp_packed_check_agrees_with_the_torch_checks(monkeypatch):
+    """A validated CPU packed call checks its offsets and ids in one C++ pass
+    (``cpu_packed_layout_ok``); where it finds a fault the torch checks name it. On valid
+    layouts and on each of contract section 10's faults (int64 extremes included) a call gives
+    the same tokens or the same error with the C++ pass and without it."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.iinfo(torch.int64).max
+
+    def outcome(cu, ids):
+        logits = torch.randn(ids.shape[0] + cu.shape[0] - 1, V, generator=torch.Generator())
+        try:
+            out = sk.verify_chain_packed(logits, ids, cu, max_draft_tokens=K, temperature=0.0)
+            return out.output_token_ids.tolist()
+        except ValueError as error:
+            return str(error)
+
+    for trial in range(300):
+        batch = int(torch.randint(0, 5, (1,), generator=g))
+        counts = torch.randint(0, K + 1, (batch,), generator=g)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        ids = torch.randint(0, V, (int(cu[-1]),), generator=g)
+        fault = trial % 6
+        if fault == 1:
+            cu[int(torch.randint(0, batch + 1, (1,), generator=g))] += 1
+        elif fault == 2 and batch:
+            cu[1:] += K + 1  # a request with K + 1 drafts (and cu[B] != T)
+        elif fault == 3 and batch > 1:
+            cu[1], cu[2] = cu[2] + 1, cu[1]  # decreasing
+        elif fault == 4 and ids.numel():
+            ids[int(torch.randint(0, ids.numel(), (1,), generator=g))] = (-1, V)[trial % 2]
+        elif fault == 5 and batch:
+            cu[1] = (big, -big)[trial % 2]
+        if trial % 3 == 0:
+            cu = cu.clamp(-2**31, 2**31 - 1).to(torch.int32)
+        fast = outcome(cu, ids)
+        assert sk._cpu.packed_layout_ok(cu, ids, K, V) == (not isinstance(fast, str))
+        with monkeypatch.context() as m:
+            m.setattr(sk._cpu, "packed_layout_ok", lambda *a: False)
+            assert outcome(cu, ids) == fast, (cu.tolist(), ids.tolist())
+
+
+@pytest.mark.skipif(not sk._cpu.AVAILABLE, reason="needs the compiled C++ CPU path")
+def test_the_cpp_tree_check_agrees_with_the_torch_checks(monkeypatch):
+    """As for the packed layout: ``cpu_tree_ok`` (num_nodes, roots, edges, the real nodes' ids
+    in one pass) and the torch checks give the same tokens or the same error on valid trees
+    and on each fault (a bad count, root, forward edge, orphan, id; faults in padding nodes,
+    which are not checked)."""
+    g = torch.Generator().manual_seed(4)
+    nodes = 5
+
+    def outcome(parents, ids, num_nodes):
+        logits = torch.randn(parents.shape[0], nodes, V, generator=torch.Generator())
+        try:
+            out = sk.verify_tree(logits, ids, parents, num_nodes=num_nodes, temperature=0.0)
+            return out.output_token_ids.tolist()
+        except ValueError as error:
+            return str(error)
+
+    for trial in range(300):
+        batch = int(torch.randint(1, 4, (1,), generator=g))
+        parents = torch.stack([torch.cat([torch.tensor([-1]), torch.tensor(
+            [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, nodes)])])
+            for _ in range(batch)])
+        ids = torch.randint(0, V, (batch, nodes), generator=g)
+        num_nodes = torch.randint(1, nodes + 1, (batch,), generator=g) if trial % 2 else None
+        b, i = int(torch.randint(0, batch, (1,), generator=g)), \
+            int(torch.randint(1, nodes, (1,), generator=g))
+        fault = trial % 7
+        if fault == 1:
+            parents[b, 0] = 0
+        elif fault == 2:
+            parents[b, i] = i  # a cycle or forward edge
+        elif fault == 3:
+            parents[b, i] = -1  # an orphan
+        elif fault == 4:
+            ids[b, i] = (-1, V)[trial % 2]
+        elif fault == 5 and num_nodes is not None:
+            num_nodes[b] = (0, nodes + 1)[trial % 4 // 2]
+        if trial % 3 == 0:
+            parents, ids = parents.to(torch.int32), ids.to(torch.int32)
+        fast = outcome(parents, ids, num_nodes)
+        assert sk._cpu.tree_ok(parents, num_nodes, ids, V) == (not isinstance(fast, str))
+        with monkeypatch.context() as m:
+            m.setattr(sk._cpu, "tree_ok", lambda *a: False)
+            assert outcome(parents, ids, num_nodes) == fast, (parents.tolist(), ids.tolist())

@@ -129,6 +129,29 @@ def verify_chain(target_logits, draft_token_ids, draft_probs, draft_logits, n, p
     return out, accepted, _logprobs(logprobs, return_logprobs)
 
 
+def _plain_cpu(*tensors) -> bool:
+    """The C++ checks below run: the extension has them, every argument is a plain CPU tensor
+    or None (not fake, not a subclass: tracing keeps the torch checks)."""
+    return AVAILABLE and hasattr(torch.ops.specdec, "cpu_tree_ok") and all(
+        t is None or (type(t) is torch.Tensor and t.device.type == "cpu") for t in tensors)
+
+
+def packed_layout_ok(cu_num_draft_tokens, draft_token_ids, max_draft_tokens: int,
+                     vocab: int) -> bool:
+    """Whether the C++ op finds a packed call's offsets and ids valid (contract section 10),
+    in one pass; False where it does not run (``_plain_cpu``) or finds a fault: the caller's
+    own checks then decide, and name it."""
+    return _plain_cpu(cu_num_draft_tokens, draft_token_ids) and \
+        torch.ops.specdec.cpu_packed_layout_ok(cu_num_draft_tokens, draft_token_ids,
+                                               max_draft_tokens, vocab)
+
+
+def tree_ok(parents, num_nodes, tree_token_ids, vocab: int) -> bool:
+    """As ``packed_layout_ok``, for a tree call's trees and real nodes' ids."""
+    return _plain_cpu(parents, num_nodes, tree_token_ids) and \
+        torch.ops.specdec.cpu_tree_ok(parents, num_nodes, tree_token_ids, vocab)
+
+
 def verify_tree(target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,
                 params, seeds, offsets, token_bitmask, return_logprobs, method="token"):
     """``(output_token_ids, accepted_nodes, num_accepted, logprobs)``."""

@@ -504,6 +504,10 @@ def _packed_checks(tensors, ints) -> list:
     (the parameters' checks first)."""
     t, k, p, m, draft_token_ids, cu, slots, draft_temperature = tensors
     max_draft_tokens, vocab, num_slots = ints
+    others = (_params.slot_checks([slots], [num_slots])
+              + _params.draft_temperature_checks([draft_temperature], []))
+    if _cpu.packed_layout_ok(cu, draft_token_ids, max_draft_tokens, vocab):
+        return _params.sampling_checks(t, k, p, m) + others  # (one C++ pass on CPU tensors)
     cu = cu.to(torch.int64)
     batch = cu.shape[0] - 1
     counts = cu[1:] - cu[:batch]
@@ -540,8 +544,7 @@ def _packed_checks(tensors, ints) -> list:
     return (_params.sampling_checks(t, k, p, m)
             + [(bad_first, first_error), (bad_order, order_error), (bad_count, count_error),
                (bad_last, last_error), (out_of_range, ids_error)]
-            + _params.slot_checks([slots], [num_slots])
-            + _params.draft_temperature_checks([draft_temperature], []))
+            + others)
 
 
 @_params.check_family("verify_chain")

@@ -157,6 +157,8 @@ def _tree_checks(tensors, ints) -> list:
     """The parameters, the tree (``_params.tree_checks``) and the real non-root nodes' ids."""
     t, k, p, m, tree_token_ids, parents, num_nodes = tensors
     vocab, = ints
+    if _cpu.tree_ok(parents, num_nodes, tree_token_ids, vocab):
+        return _params.sampling_checks(t, k, p, m)  # (one C++ pass on CPU tensors)
     index = torch.arange(1, parents.shape[1], device=parents.device)  # the non-root nodes
     ids = tree_token_ids[:, 1:]
     out_of_range = (ids < 0) | (ids >= vocab)

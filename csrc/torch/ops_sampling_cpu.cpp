@@ -1,6 +1,8 @@
 // CPU registrations of the sampling path (csrc/core/sampling_cpu.h): torch.ops.specdec.
-// cpu_verify_chain / cpu_verify_tree / cpu_sample / cpu_processed_probs / cpu_random_words. The
-// Python layer (specdec_kernels/_cpu.py) validates values first; these checks guard memory
+// cpu_verify_chain(_packed) / cpu_verify_tree / cpu_sample / cpu_processed_probs /
+// cpu_random_words, and cpu_packed_layout_ok / cpu_tree_ok (a validated call's checks in one
+// pass).
+// The Python layer (specdec_kernels/_cpu.py) validates values first; these checks guard memory
 // safety. The per-request parameters are small [B] tensors converted here; the [.., V] tensors
 // are read in place (contiguous, in their own dtype).
 #include <ATen/Parallel.h>
@@ -283,6 +285,58 @@ PackedRows packed_rows(const at::Tensor& cu_num_draft_tokens, int64_t num_packed
   return out;
 }
 
+// Whether a packed call's offsets and ids pass contract section 10's checks (cu[0] = 0,
+// 0 <= cu[b+1] - cu[b] <= K, cu[B] = T, ids in [0, V)): a validated CPU call's one pass over
+// them, in place of a dozen small torch ops; the Python layer builds the message from its own
+// checks where this says no.
+bool cpu_packed_layout_ok(const at::Tensor& cu_num_draft_tokens,
+                          const at::Tensor& draft_token_ids, int64_t max_draft_tokens,
+                          int64_t vocab) {
+  TORCH_CHECK(cu_num_draft_tokens.dim() == 1 && cu_num_draft_tokens.size(0) >= 1 &&
+                  draft_token_ids.dim() == 1,
+              "cu_num_draft_tokens [B+1] and draft_token_ids [T] expected");
+  check_cpu(cu_num_draft_tokens, "cu_num_draft_tokens", cu_num_draft_tokens.sizes());
+  check_cpu(draft_token_ids, "draft_token_ids", draft_token_ids.sizes());
+  const at::Tensor cu = as_type(cu_num_draft_tokens, at::kLong);
+  const at::Tensor ids = as_type(draft_token_ids, at::kLong);
+  const int64_t* c = cu.data_ptr<int64_t>();
+  const int64_t batch = cu.size(0) - 1, num_packed = ids.size(0);
+  if (c[0] != 0 || c[batch] != num_packed) return false;
+  for (int64_t b = 0; b < batch; ++b) {  // c[b] >= 0 here: no overflow in the difference
+    if (c[b + 1] < c[b] || c[b + 1] - c[b] > max_draft_tokens) return false;
+  }
+  const int64_t* d = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < num_packed; ++j) {
+    if (d[j] < 0 || d[j] >= vocab) return false;
+  }
+  return true;
+}
+
+// Whether a tree call's trees and ids pass its value checks (num_nodes in [1, N],
+// parents[b, 0] = -1, 0 <= parents[b, i] < i and ids in [0, V) for the real nodes i >= 1):
+// as cpu_packed_layout_ok, one pass for a validated CPU call, the message from Python's checks.
+bool cpu_tree_ok(const at::Tensor& parents, const std::optional<at::Tensor>& num_nodes,
+                 const at::Tensor& tree_token_ids, int64_t vocab) {
+  TORCH_CHECK(parents.dim() == 2 && parents.size(1) >= 1, "parents [B, N >= 1] expected");
+  const int64_t batch = parents.size(0), nodes = parents.size(1);
+  check_cpu(parents, "parents", {batch, nodes});
+  check_cpu(tree_token_ids, "tree_token_ids", {batch, nodes});
+  const at::Tensor parent = as_type(parents, at::kLong), ids = as_type(tree_token_ids, at::kLong);
+  at::Tensor count;
+  if (num_nodes.has_value()) count = small(*num_nodes, "num_nodes", batch, at::kLong);
+  const int64_t* p = parent.data_ptr<int64_t>();
+  const int64_t* d = ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t real = count.defined() ? count.data_ptr<int64_t>()[b] : nodes;
+    if (real < 1 || real > nodes || p[b * nodes] != -1) return false;
+    for (int64_t i = 1; i < real; ++i) {
+      const int64_t up = p[b * nodes + i], id = d[b * nodes + i];
+      if (up < 0 || up >= i || id < 0 || id >= vocab) return false;
+    }
+  }
+  return true;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain_packed(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
@@ -469,6 +523,11 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "Tensor seed, Tensor offset, int method, int logprobs, Tensor? draft_slots=None, "
       "Tensor? draft_temperature=None) -> (Tensor, Tensor, Tensor)");
   m.def(
+      "cpu_packed_layout_ok(Tensor cu_num_draft_tokens, Tensor draft_token_ids, "
+      "int max_draft_tokens, int vocab) -> bool");
+  m.def(
+      "cpu_tree_ok(Tensor parents, Tensor? num_nodes, Tensor tree_token_ids, int vocab) -> bool");
+  m.def(
       "cpu_sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p, "
       "Tensor? token_bitmask, Tensor seed, Tensor offset, int logprobs) -> (Tensor, Tensor)");
   m.def(
@@ -489,6 +548,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("cpu_verify_chain", &cpu_verify_chain);
   m.impl("cpu_verify_chain_packed", &cpu_verify_chain_packed);
+  m.impl("cpu_packed_layout_ok", &cpu_packed_layout_ok);
+  m.impl("cpu_tree_ok", &cpu_tree_ok);
   m.impl("cpu_sample", &cpu_sample);
   m.impl("cpu_verify_tree", &cpu_verify_tree);
   m.impl("cpu_processed_probs", &cpu_processed_probs);
