@@ -462,7 +462,9 @@ def _tracing() -> bool:
     caches serve them as they serve plain eager calls."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return True
-    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+    # (The stack's length counts the infra modes too: plain eager pays one call.)
+    return bool(torch._C._len_torch_dispatch_stack()) and any(
+        torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
 
 
 _TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, name)
