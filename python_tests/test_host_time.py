@@ -316,3 +316,24 @@ def test_the_cpp_tree_check_agrees_with_the_torch_checks(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(sk._cpu, "tree_ok", lambda *a: False)
             assert outcome(parents, ids, num_nodes) == fast, (parents.tolist(), ids.tolist())
+
+
+@pytest.mark.skipif(not sk._cpu.AVAILABLE, reason="needs the compiled C++ CPU path")
+def test_the_cpp_uniforms_are_the_torch_philox_bit_for_bit():
+    """The FlashInfer adapter's acceptance uniforms come from one C++ op on CPU tensors
+    (``_cpu.uniform``): bit for bit ``_rng.uniform`` over broadcast shapes, any 64-bit seed and
+    offset, and every purpose; None under FakeTensorMode (the torch Philox runs there)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from specdec_kernels import _rng
+    g = torch.Generator().manual_seed(5)
+    info = torch.iinfo(torch.int64)
+    for purpose in (_rng.PURPOSE_ACCEPT, 0, 3):
+        seed = torch.randint(info.min, info.max, (6, 1), generator=g)
+        seed[0, 0], seed[1, 0] = info.min, info.max
+        offset = torch.randint(info.min, info.max, (6, 1), generator=g)
+        position = torch.arange(5) * 30011  # past 2**16 too (the stream keeps 16 bits)
+        assert torch.equal(sk._cpu.uniform(seed, offset, position, purpose),
+                           _rng.uniform(seed, offset, position, purpose))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(seed)
+        assert sk._cpu.uniform(fake, fake, position, 0) is None

@@ -13,6 +13,7 @@ parsed (``_params``) and validated as for the other backends.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -130,9 +131,11 @@ def verify_chain(target_logits, draft_token_ids, draft_probs, draft_logits, n, p
 
 
 def _plain_cpu(*tensors) -> bool:
-    """The C++ checks below run: the extension has them, every argument is a plain CPU tensor
-    or None (not fake, not a subclass: tracing keeps the torch checks)."""
-    return AVAILABLE and hasattr(torch.ops.specdec, "cpu_tree_ok") and all(
+    """The C++ helpers below run: the extension has them, nothing is compiling, and every
+    argument is a plain CPU tensor or None (not fake, not a subclass: tracing keeps the torch
+    code)."""
+    return AVAILABLE and hasattr(torch.ops.specdec, "cpu_tree_ok") and \
+        not torch.compiler.is_compiling() and all(
         t is None or (type(t) is torch.Tensor and t.device.type == "cpu") for t in tensors)
 
 
@@ -150,6 +153,18 @@ def tree_ok(parents, num_nodes, tree_token_ids, vocab: int) -> bool:
     """As ``packed_layout_ok``, for a tree call's trees and real nodes' ids."""
     return _plain_cpu(parents, num_nodes, tree_token_ids) and \
         torch.ops.specdec.cpu_tree_ok(parents, num_nodes, tree_token_ids, vocab)
+
+
+def uniform(seed, offset, position, purpose: int) -> Optional[torch.Tensor]:
+    """``_rng.uniform`` (word 0 of each element's stream; the arguments broadcast) by the C++
+    path's Philox, bit for bit the same (``test_cpu_path``) in one op instead of ~80 small
+    torch ops; None where it does not run (``_plain_cpu``): the caller takes ``_rng``."""
+    if not _plain_cpu(seed, offset, position):
+        return None
+    seed, offset, position = torch.broadcast_tensors(seed, offset, position)
+    flat = [t.reshape(-1).to(torch.int64) for t in (seed, offset, position)]
+    _, u, _ = torch.ops.specdec.cpu_random_words(*flat, purpose, torch.zeros_like(flat[0]))
+    return u.view(seed.shape)
 
 
 def verify_tree(target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,

@@ -62,7 +62,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _params, _rng
+from .. import _cpu, _params, _rng
 from ..chain import verify_chain
 from ._common import (capturing_cuda_graph, check_counter, logits_from_probs,
                       restoring_generator, row_seeds, value_checks_wanted)
@@ -267,7 +267,10 @@ def _independently_accepted(target_probs: torch.Tensor, draft_probs: torch.Tenso
     p = rows.gather(-1, ids)[..., 0].double() / rows.sum(-1, dtype=torch.float64)
     q = draft_probs.gather(-1, ids)[..., 0].double()
     position = torch.arange(num_drafts, device=ids.device)
-    u = _rng.uniform(seeds[:, None], offsets[:, None], position + 1, _rng.PURPOSE_ACCEPT)
+    stream = (seeds[:, None], offsets[:, None], position + 1, _rng.PURPOSE_ACCEPT)
+    u = _cpu.uniform(*stream)  # (one C++ op on CPU tensors; else the torch Philox)
+    if u is None:
+        u = _rng.uniform(*stream)
     later = position[None] > num_accepted[:, None].to(torch.int64)
     passes = later & in_range & (u.double() * q < p)
     return num_accepted + passes.sum(-1).to(num_accepted.dtype)
