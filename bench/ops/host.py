@@ -78,7 +78,9 @@ def public_calls(x) -> dict:
 
 def adapter_calls(x) -> dict:
     """``{(entry point, mode): fn()}``: each adapter's default path (its own ``validate``
-    default), called through its public function."""
+    default on these CPU tensors), called through its public function; and the path an engine
+    takes on CUDA (``validate=False``: vLLM's ``RejectionSampler`` object as its runner builds
+    it, the other adapters' CUDA default)."""
     from specdec_kernels.adapters import flashinfer, sglang, vllm, vllm_mrv2  # noqa: PLC0415
     calls = {}
     ids = x["ids"][0].tolist()
@@ -92,6 +94,11 @@ def adapter_calls(x) -> dict:
         metadata, probs, rows, sampled, seed=x["seed"], offset=x["offset"])
     calls[("vLLM V1 rejection_sample", "one-hot greedy")] = lambda: vllm.rejection_sample(
         metadata, None, rows, greedy, seed=x["seed"], offset=x["offset"])
+    # The object vLLM's runner builds once and calls every step (validate=False, its default).
+    engine_sampler = vllm.RejectionSampler(None, None, fused_bonus=True)
+    calls[("vLLM V1 RejectionSampler.forward", "draft probs, engine's object")] = \
+        lambda: engine_sampler(metadata, probs, rows, sampled, seed=x["seed"],
+                               offset=x["offset"])
     counts = torch.full((B,), K + 1)
     mrv2 = dict(target_logits=rows, draft_logits=x["draft_logits"],
                 draft_sampled=torch.cat([torch.cat([x["ids"][b], x["ids"][b, :1]])
@@ -103,10 +110,17 @@ def adapter_calls(x) -> dict:
                 temperature=torch.ones(B), seed=x["seed"], num_speculative_steps=K)
     calls[("vLLM MRV2 rejection_sample", "draft logits")] = \
         lambda: vllm_mrv2.rejection_sample(**mrv2)
+    calls[("vLLM MRV2 rejection_sample", "draft logits, validate=False (CUDA's default)")] = \
+        lambda: vllm_mrv2.rejection_sample(**mrv2, validate=False)
     target_probs = torch.softmax(x["logits"], -1)
     calls[("FlashInfer chain_speculative_sampling", "draft probs")] = \
         lambda: flashinfer.chain_speculative_sampling(
             x["draft_probs"], x["ids"], target_probs, seed=x["seed"], offset=x["offset"])
+    calls[("FlashInfer chain_speculative_sampling",
+           "draft probs, validate=False (CUDA's default)")] = \
+        lambda: flashinfer.chain_speculative_sampling(
+            x["draft_probs"], x["ids"], target_probs, seed=x["seed"], offset=x["offset"],
+            validate=False)
     tree = sglang.tree_to_sglang(x["parents"], x["tree_ids"].clamp(min=0))
     outputs = (torch.full((B * (K + 1),), -1, dtype=torch.int32),
                torch.full((B, K + 1), -1, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
@@ -114,6 +128,11 @@ def adapter_calls(x) -> dict:
         lambda: sglang.tree_speculative_sampling_target_only(
             *outputs, *tree[3:], *tree[:3], target_logits=x["logits"],
             temperature=torch.ones(B), seed=x["seed"], offset=x["offset"])
+    calls[("SGLang tree_speculative_sampling_target_only",
+           "target logits, validate=False (CUDA's default)")] = \
+        lambda: sglang.tree_speculative_sampling_target_only(
+            *outputs, *tree[3:], *tree[:3], target_logits=x["logits"],
+            temperature=torch.ones(B), seed=x["seed"], offset=x["offset"], validate=False)
     return calls
 
 
@@ -155,7 +174,7 @@ def run(rounds: int = 15, calls: int = 20, profile_calls: int = 300) -> dict:
         rows[(op, mode + ", validate=True")] = (lambda f: lambda: f(True))(fn)
     adapters = adapter_calls(x)
     for key, fn in adapters.items():
-        rows[(key[0], key[1] + ", default")] = fn
+        rows[(key[0], key[1] if "validate=" in key[1] else key[1] + ", default")] = fn
     for fn in rows.values():  # warm-up: caches, first calls
         for _ in range(5):
             fn()
