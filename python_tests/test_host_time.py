@@ -337,3 +337,66 @@ def test_the_cpp_uniforms_are_the_torch_philox_bit_for_bit():
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(seed)
         assert sk._cpu.uniform(fake, fake, position, 0) is None
+
+
+@pytest.mark.skipif(not sk._cpu.AVAILABLE, reason="needs the compiled C++ CPU path")
+def test_cpp_packed_edges_equal_the_reference():
+    """Batch 0 with packed rows left over (validate=False), K = 0, slots with S = 0 at batch
+    0 (packed and padded), logprobs of every row: the C++ op gives the reference's outputs;
+    a direct call with K past MAX_POSITION is an error, not a write past a buffer."""
+    g = torch.Generator().manual_seed(6)
+
+    def both(call):
+        ours, reference = (call(backend) for backend in ("auto", "reference"))
+        assert torch.equal(ours.output_token_ids, reference.output_token_ids)
+        assert torch.equal(ours.num_accepted, reference.num_accepted)
+        if reference.logprobs is not None:  # (float32 sums in another order: within 1e-5)
+            torch.testing.assert_close(ours.logprobs, reference.logprobs, rtol=0, atol=1e-5,
+                                       equal_nan=True)
+
+    for cu, k, rows in (([0], 2, 3), ([5], 2, 3), ([0, 0, 0], 0, 2), ([0, 1, 3], 0, 5),
+                        ([0, 2, 3], 2, 5)):
+        num_packed = rows - (len(cu) - 1)
+        logits = torch.randn(rows, V, generator=g)
+        ids = torch.randint(0, V, (num_packed,), generator=g)
+        probs = torch.softmax(torch.randn(num_packed, V, generator=g), -1)
+        both(lambda backend: sk.verify_chain_packed(
+            logits, ids, torch.tensor(cu), max_draft_tokens=k, draft_probs=probs,
+            temperature=0.9, seed=3, offset=1, backend=backend, validate=False,
+            return_logprobs="raw"))
+    empty = torch.zeros(0, dtype=torch.int64)
+    both(lambda backend: sk.verify_chain_packed(
+        torch.randn(0, V), empty, torch.tensor([0]), max_draft_tokens=2,
+        draft_probs=torch.rand(0, 2, V), draft_slots=empty, temperature=1.0, backend=backend))
+    both(lambda backend: sk.verify_chain(
+        torch.randn(0, 3, V), torch.zeros(0, 2, dtype=torch.int64),
+        draft_probs=torch.rand(0, 4, V + 2), draft_slots=empty, temperature=1.0,
+        backend=backend))
+    b = 4
+    with pytest.raises(RuntimeError, match="max_draft_tokens must be in"):
+        torch.ops.specdec.cpu_verify_chain_packed(
+            torch.randn(b, V), empty, None, None, torch.zeros(b + 1, dtype=torch.int64), 2**62,
+            torch.ones(b), torch.zeros(b, dtype=torch.int32), torch.ones(b), None, None,
+            torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64), 0, 0)
+
+
+def test_every_tracing_mode_counts_as_tracing():
+    """make_fx (real and fake tracing, and pre-dispatch), functionalization and vmap bypass
+    the caches and the C++ helpers; plain eager and an op counter do not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from specdec_kernels import _types
+    seen = {}
+
+    def probe(name):
+        def f(x):
+            seen[name] = _types.tracing()
+            return x + 1
+        return f
+    make_fx(probe("real"), tracing_mode="real")(torch.ones(2))
+    make_fx(probe("fake"), tracing_mode="fake")(torch.ones(2))
+    make_fx(probe("pre_dispatch"), tracing_mode="real", pre_dispatch=True)(torch.ones(2))
+    torch.func.functionalize(probe("functionalize"))(torch.ones(2))
+    torch.vmap(probe("vmap"))(torch.ones(2, 2))
+    assert seen == dict.fromkeys(("real", "fake", "pre_dispatch", "functionalize", "vmap"),
+                                 True), seen
+    assert not _types.tracing()

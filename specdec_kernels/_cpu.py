@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from . import _extension
+from . import _extension, _types
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _LOGPROBS = {None: 0, "processed": 1, "raw": 2}
@@ -35,6 +35,9 @@ def _registered() -> bool:
 
 
 AVAILABLE = _extension.HAS_EXTENSION and _registered()
+# This version's packed op (it reads cu_num_draft_tokens) and value checks; an older build
+# without them leaves packed calls to the reference.
+PACKED = AVAILABLE and hasattr(torch.ops.specdec, "cpu_packed_layout_ok")
 
 # The instruction-set builds of the C++ path (csrc/core/sampling_cpu*.cpp), as PyTorch's own
 # CPU kernels dispatch DEFAULT / AVX2 / AVX512: every build gives the same tokens.
@@ -131,11 +134,10 @@ def verify_chain(target_logits, draft_token_ids, draft_probs, draft_logits, n, p
 
 
 def _plain_cpu(*tensors) -> bool:
-    """The C++ helpers below run: the extension has them, nothing is compiling, and every
-    argument is a plain CPU tensor or None (not fake, not a subclass: tracing keeps the torch
-    code)."""
-    return AVAILABLE and hasattr(torch.ops.specdec, "cpu_tree_ok") and \
-        not torch.compiler.is_compiling() and all(
+    """The C++ helpers below run: the extension has them (``PACKED``), nothing is tracing
+    (``_types.tracing``: a trace records the torch code), and every argument is a plain CPU
+    tensor or None."""
+    return PACKED and not _types.tracing() and all(
         t is None or (type(t) is torch.Tensor and t.device.type == "cpu") for t in tensors)
 
 

@@ -454,21 +454,7 @@ _PLAN_SIZE = 64
 _KEY_TYPES = frozenset((int, float, bool, str, type(None)))
 
 
-def _tracing() -> bool:
-    """Compiling, under a tracing dispatch mode (FakeTensorMode, make_fx's proxy mode,
-    functionalization) or a functorch transform: those must see the parsing, and a tensor made
-    there (a fake one) must never enter a cache that later eager calls read. Other modes (a
-    profiler's or a test's op counter, ``with torch.device(...)``) run real tensors, and the
-    caches serve them as they serve plain eager calls."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return True
-    # (The stack's length counts the infra modes too: plain eager pays one call.)
-    return bool(torch._C._len_torch_dispatch_stack()) and any(
-        torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
-
-
-_TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, name)
-                       for name in ("FAKE", "PROXY", "FUNCTIONAL"))
+_tracing = _types.tracing  # (at the bottom: the C++ path's helpers ask it too)
 
 
 def call_key(*args) -> Optional[tuple]:

@@ -60,3 +60,31 @@ def capturing(device: torch.device) -> bool:
         return False
     with torch.cuda.device(device):  # the capture state of the tensors' device, not the current
         return torch.cuda.is_current_stream_capturing()
+
+
+_TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, name)
+                       for name in ("FAKE", "PROXY", "FUNCTIONAL"))
+
+
+def tracing() -> bool:
+    """Compiling, under a tracing dispatch mode (FakeTensorMode, make_fx's proxy mode, also
+    pre-dispatch, functionalization) or a functorch transform: those must see the parsing
+    and the torch code, and a tensor made there (a fake one) must never enter a cache that
+    later eager calls read. Other modes (a profiler's or a test's op counter,
+    ``with torch.device(...)``) run real tensors as eager calls do."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return True
+    if _PRE_DISPATCH_PROXY is not None and _PRE_DISPATCH_PROXY() is not None:
+        return True
+    # (The stack's length counts the infra modes too: plain eager pays one call.)
+    return bool(torch._C._len_torch_dispatch_stack()) and any(
+        torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+
+
+def _pre_dispatch_proxy():
+    """make_fx(pre_dispatch=True)'s proxy mode, on its own stack (not the one above)."""
+    return torch._ops._get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
+
+
+_PRE_DISPATCH_PROXY = _pre_dispatch_proxy if hasattr(
+    torch._ops, "_get_dispatch_mode_pre_dispatch") else None

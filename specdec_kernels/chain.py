@@ -149,7 +149,7 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                                      torch.int32, num_drafts)
     values += (draft_token_ids, None if plan.count is not None else counts)
     slots = draft_temp = None
-    if plan.num_slots:
+    if draft_slots is not None:  # (S may be 0 at B = 0)
         slots = _params.draft_slots(draft_slots, plan.num_slots, batch, device, True, values)
     else:
         values.append(None)
@@ -321,7 +321,7 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
         values += (None, None, None, None)
     values += (draft_token_ids, cu_num_draft_tokens)
     slots = draft_temp = None
-    if plan.num_slots:
+    if draft_slots is not None:  # (S may be 0 at B = 0)
         slots = _params.draft_slots(draft_slots, plan.num_slots, batch, device, True, values)
     else:
         values.append(None)
@@ -411,7 +411,7 @@ def _packed_plan(target_logits, draft_token_ids, cu_num_draft_tokens, max_draft_
         params = None
     slots, draft_temp, num_slots = _draft_arguments(
         slotted, draft_probs, draft_logits, draft_slots, draft_temperature, batch, device, [])
-    cpp = not use_triton and _cpu.selected(backend, device) and \
+    cpp = not use_triton and _cpu.PACKED and _cpu.selected(backend, device) and \
         _cpu.runs_chain(target_logits, draft_probs, method)
     return _PackedPlan(batch, vocab, device, use_triton, cpp, params, num_slots,
                        None if isinstance(draft_temperature, torch.Tensor) else draft_temp)

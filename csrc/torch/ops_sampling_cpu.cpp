@@ -130,7 +130,7 @@ at::Tensor logprobs_tensor(cpu::Logprobs kind, at::IntArrayRef shape, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
-    const int64_t* target_rows, const int64_t* draft_rows, int64_t batch,
+    bool packed, const int64_t* target_rows, const int64_t* draft_rows, int64_t batch,
     int64_t num_drafts, const at::Tensor& num_draft_tokens, const at::Tensor& temperature,
     const at::Tensor& top_k, const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
@@ -156,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
   at::Tensor bitmask;
   args.bitmask = bitmask_of(token_bitmask, target_logits.sizes().slice(0, target_logits.dim() - 1),
                             vocab, bitmask);
-  if (target_rows != nullptr) {  // packed: rows from packed_rows, in range by construction
+  if (packed) {  // rows from packed_rows, in range by construction (none at B = 0)
     TORCH_CHECK(target_count == draft_count + batch,
                 "packed: target_logits [T+B, V] and draft_token_ids [T] disagree");
     args.target_rows = target_rows;
@@ -239,7 +239,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain(
               "target_logits must be [B, K+1, V], got ", target_logits.sizes());
   const int64_t batch = target_logits.size(0), num_drafts = target_logits.size(1) - 1;
   check_cpu(draft_token_ids, "draft_token_ids", {batch, num_drafts});
-  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, nullptr, nullptr,
+  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, false, nullptr,
+                   nullptr,
                    batch, num_drafts, num_draft_tokens, temperature, top_k, top_p, min_p,
                    token_bitmask, seed, offset, method, logprobs, draft_slots,
                    draft_temperature);
@@ -260,8 +261,11 @@ PackedRows packed_rows(const at::Tensor& cu_num_draft_tokens, int64_t num_packed
   TORCH_CHECK(cu_num_draft_tokens.dim() == 1 && cu_num_draft_tokens.size(0) >= 1,
               "cu_num_draft_tokens must be [B+1], got ", cu_num_draft_tokens.sizes());
   TORCH_CHECK(cu_num_draft_tokens.device().is_cpu(), "cu_num_draft_tokens must be a CPU tensor");
-  TORCH_CHECK(num_drafts >= 0, "max_draft_tokens must be >= 0");
+  // (The public layer allows K < 2^16, MAX_POSITION; the sizes below cannot overflow then.)
+  TORCH_CHECK(num_drafts >= 0 && num_drafts < (int64_t{1} << 16),
+              "max_draft_tokens must be in [0, 65536), got ", num_drafts);
   const int64_t batch = cu_num_draft_tokens.size(0) - 1, rows = num_drafts + 1;
+  TORCH_CHECK(batch <= (int64_t{1} << 40), "cu_num_draft_tokens: too many requests, ", batch);
   const at::Tensor cu = as_type(cu_num_draft_tokens, at::kLong);
   const int64_t* c = cu.data_ptr<int64_t>();
   PackedRows out;
@@ -351,7 +355,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain_packed(
   const PackedRows layout = packed_rows(cu_num_draft_tokens, draft_token_ids.size(0),
                                         max_draft_tokens, target_logits);
   const int64_t batch = cu_num_draft_tokens.size(0) - 1;
-  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits,
+  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, true,
                    layout.target.data(), layout.draft.data(), batch, max_draft_tokens,
                    layout.counts, temperature, top_k, top_p, min_p, token_bitmask, seed, offset,
                    method, logprobs, draft_slots, draft_temperature);
@@ -466,8 +470,9 @@ at::Tensor cpu_processed_probs(const at::Tensor& logits, const at::Tensor& tempe
   return probs;
 }
 
-// Test hook: word index % 4 of counter index / 4 of each element's stream, its uniform and
-// its noise (int64 words, float32 uniforms and noise).
+// Word index % 4 of counter index / 4 of each element's stream, its uniform and its noise
+// (int64 words, float32 uniforms and noise): the tests' hook and the FlashInfer adapter's
+// acceptance uniforms on CPU (_cpu.uniform).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_random_words(
     const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& position,
     int64_t purpose, const at::Tensor& index) {
@@ -479,14 +484,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_random_words(
   at::Tensor words = at::empty({count}, s.options());
   at::Tensor uniform = at::empty({count}, s.options().dtype(at::kFloat));
   at::Tensor noise = at::empty({count}, s.options().dtype(at::kFloat));
+  const int64_t *sp = s.data_ptr<int64_t>(), *op = o.data_ptr<int64_t>(),
+                *pp = p.data_ptr<int64_t>(), *ip = i.data_ptr<int64_t>();
+  int64_t* wp = words.data_ptr<int64_t>();
+  float *up = uniform.data_ptr<float>(), *np = noise.data_ptr<float>();
   for (int64_t e = 0; e < count; ++e) {
-    const uint32_t word = cpu::random_word(
-        s.data_ptr<int64_t>()[e], o.data_ptr<int64_t>()[e],
-        static_cast<uint32_t>(p.data_ptr<int64_t>()[e]), static_cast<uint32_t>(purpose),
-        static_cast<uint32_t>(i.data_ptr<int64_t>()[e]));
-    words.data_ptr<int64_t>()[e] = word;
-    uniform.data_ptr<float>()[e] = cpu::word_uniform(word);
-    noise.data_ptr<float>()[e] = cpu::uniform_noise(cpu::word_uniform(word));
+    const uint32_t word = cpu::random_word(sp[e], op[e], static_cast<uint32_t>(pp[e]),
+                                           static_cast<uint32_t>(purpose),
+                                           static_cast<uint32_t>(ip[e]));
+    wp[e] = word;
+    up[e] = cpu::word_uniform(word);
+    np[e] = cpu::uniform_noise(up[e]);
   }
   return {words, uniform, noise};
 }
