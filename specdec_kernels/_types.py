@@ -74,7 +74,9 @@ def tracing() -> bool:
     ``with torch.device(...)``) run real tensors as eager calls do."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return True
-    if _PRE_DISPATCH_PROXY is not None and _PRE_DISPATCH_PROXY() is not None:
+    # (Pre-dispatch tracing also enables a function mode: that flag is the cheap test.)
+    if _PRE_DISPATCH_PROXY is not None and torch._C._is_torch_function_mode_enabled() and \
+            _PRE_DISPATCH_PROXY() is not None:
         return True
     # (The stack's length counts the infra modes too: plain eager pays one call.)
     return bool(torch._C._len_torch_dispatch_stack()) and any(
