@@ -230,6 +230,14 @@ def test_the_cpp_packed_rows_equal_the_reference_layout_on_garbage_offsets():
             assert torch.equal(outs[0].num_accepted, outs[1].num_accepted), cu
 
 
+def _tokens_or_error(call):
+    """A verify call's tokens as lists, or its ValueError's message: what a check decides."""
+    try:
+        return call().output_token_ids.tolist()
+    except ValueError as error:
+        return str(error)
+
+
 @pytest.mark.skipif(not sk._cpu.AVAILABLE, reason="needs the compiled C++ CPU path")
 def test_the_cpp_packed_check_agrees_with_the_torch_checks(monkeypatch):
     """A validated CPU packed call checks its offsets and ids in one C++ pass
@@ -241,11 +249,8 @@ def test_the_cpp_packed_check_agrees_with_the_torch_checks(monkeypatch):
 
     def outcome(cu, ids):
         logits = torch.randn(ids.shape[0] + cu.shape[0] - 1, V, generator=torch.Generator())
-        try:
-            out = sk.verify_chain_packed(logits, ids, cu, max_draft_tokens=K, temperature=0.0)
-            return out.output_token_ids.tolist()
-        except ValueError as error:
-            return str(error)
+        return _tokens_or_error(lambda: sk.verify_chain_packed(
+            logits, ids, cu, max_draft_tokens=K, temperature=0.0))
 
     for trial in range(300):
         batch = int(torch.randint(0, 5, (1,), generator=g))
@@ -283,11 +288,8 @@ def test_the_cpp_tree_check_agrees_with_the_torch_checks(monkeypatch):
 
     def outcome(parents, ids, num_nodes):
         logits = torch.randn(parents.shape[0], nodes, V, generator=torch.Generator())
-        try:
-            out = sk.verify_tree(logits, ids, parents, num_nodes=num_nodes, temperature=0.0)
-            return out.output_token_ids.tolist()
-        except ValueError as error:
-            return str(error)
+        return _tokens_or_error(lambda: sk.verify_tree(
+            logits, ids, parents, num_nodes=num_nodes, temperature=0.0))
 
     for trial in range(300):
         batch = int(torch.randint(1, 4, (1,), generator=g))

@@ -484,6 +484,19 @@ def call_key(*args) -> Optional[tuple]:
     return tuple(key)
 
 
+def planned(plans: dict, build, *args):
+    """The plan of a call with these arguments: kept in ``plans`` by the call's structure
+    (``call_key``), else ``build(*args)`` (every host check, in the contract's order), kept
+    from then on where the structure has a key."""
+    key = call_key(*args)
+    plan = plans.get(key) if key is not None else None
+    if plan is None:
+        plan = build(*args)
+        if key is not None:
+            remember(plans, key, plan)
+    return plan
+
+
 def remember(plans: dict, key: tuple, plan) -> None:
     """Keeps ``plan`` under ``key`` (bounded: the oldest out first)."""
     with _BROADCAST_LOCK:

@@ -121,47 +121,20 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
             draft_slots=draft_slots, draft_temperature=draft_temperature)
     # An engine calls with the same shapes and parameter kinds every step: the host checks
     # and the parsing of Python numbers run once per structure (``_params.call_key``).
-    key = _params.call_key(target_logits, draft_token_ids, draft_probs, draft_logits,
-                           num_draft_tokens, temperature, top_k, top_p, min_p, method, backend,
-                           validate, token_bitmask, return_logprobs, draft_slots,
-                           draft_temperature)
-    plan = _CHAIN_PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _chain_plan(target_logits, draft_token_ids, draft_probs, draft_logits,
-                           num_draft_tokens, temperature, top_k, top_p, min_p, method, backend,
-                           validate, token_bitmask, return_logprobs, draft_slots,
-                           draft_temperature)
-        if key is not None:
-            _params.remember(_CHAIN_PLANS, key, plan)
+    plan = _params.planned(_CHAIN_PLANS, _chain_plan, target_logits, draft_token_ids,
+                           draft_probs, draft_logits, num_draft_tokens, temperature, top_k,
+                           top_p, min_p, method, backend, validate, token_bitmask,
+                           return_logprobs, draft_slots, draft_temperature)
     batch, device = plan.batch, plan.device
     values: list = []  # the tensors whose values a validated call checks, in one read
-    params = plan.params
-    if params is None:  # some parameter is a tensor: parsed (and its values read) per call
-        params = _params.sampling_params(temperature, top_k, top_p, batch=batch,
-                                         vocab_size=plan.vocab, device=device,
-                                         validate=validate, min_p=min_p, checks=values)
-    else:
-        values += (None, None, None, None)
+    params = _call_params(plan, temperature, top_k, top_p, min_p, validate, values)
     num_drafts = plan.rows - 1
     counts = plan.num_draft_tokens
     if counts is None:
         counts = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device,
                                      torch.int32, num_drafts)
     values += (draft_token_ids, None if plan.count is not None else counts)
-    slots = draft_temp = None
-    if draft_slots is not None:  # (S may be 0 at B = 0)
-        slots = _params.draft_slots(draft_slots, plan.num_slots, batch, device, True, values)
-    else:
-        values.append(None)
-    if draft_temperature is not None:
-        draft_temp = plan.draft_temperature
-        if draft_temp is None:
-            draft_temp = _params.draft_temperature(draft_temperature, batch, device, True,
-                                                   values)
-        else:
-            values.append(None)
-    else:
-        values.append(None)
+    slots, draft_temp = _call_drafts(plan, draft_slots, draft_temperature, values)
     if validate:
         _params.check_values("verify_chain", values,
                              [num_drafts, plan.vocab, -1 if plan.count is None else plan.count,
@@ -173,6 +146,33 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                       draft_logits, counts, params, seeds, offsets, token_bitmask,
                       return_logprobs, method=method, cpp=plan.cpp, draft_slots=slots,
                       draft_temperature=draft_temp)
+
+
+def _call_params(plan, temperature, top_k, top_p, min_p, validate, values: list):
+    """The plan's parsed parameters of Python numbers, or, where some parameter is a tensor,
+    parsed now (their values appended to ``values`` for the call's one read)."""
+    if plan.params is not None:
+        values += (None, None, None, None)
+        return plan.params
+    return _params.sampling_params(temperature, top_k, top_p, batch=plan.batch,
+                                   vocab_size=plan.vocab, device=plan.device,
+                                   validate=validate, min_p=min_p, checks=values)
+
+
+def _call_drafts(plan, draft_slots, draft_temperature, values: list):
+    """``(draft_slots, draft_temperature)`` parsed for the op (None where not given; a
+    Python-number draft temperature from the plan); appends their tensors to ``values``."""
+    slots = None
+    if draft_slots is not None:  # (S may be 0 at B = 0)
+        slots = _params.draft_slots(draft_slots, plan.num_slots, plan.batch, plan.device, True,
+                                    values)
+    else:
+        values.append(None)
+    if draft_temperature is not None and plan.draft_temperature is not None:
+        values.append(None)
+        return slots, plan.draft_temperature
+    return slots, _params.draft_temperature(draft_temperature, plan.batch, plan.device, True,
+                                            values)
 
 
 class _ChainPlan(NamedTuple):
@@ -298,38 +298,15 @@ def verify_chain_packed(target_logits: torch.Tensor, draft_token_ids: torch.Tens
             min_p=min_p, token_bitmask=token_bitmask, seed=seed, offset=offset, method=method,
             return_logprobs=return_logprobs, backend=backend, validate=validate,
             draft_slots=draft_slots, draft_temperature=draft_temperature)
-    key = _params.call_key(target_logits, draft_token_ids, cu_num_draft_tokens,
-                           max_draft_tokens, draft_probs, draft_logits, temperature, top_k,
-                           top_p, min_p, token_bitmask, method, return_logprobs, backend,
-                           validate, draft_slots, draft_temperature)
-    plan = _PACKED_PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _packed_plan(target_logits, draft_token_ids, cu_num_draft_tokens,
-                            max_draft_tokens, draft_probs, draft_logits, temperature, top_k,
-                            top_p, min_p, token_bitmask, method, return_logprobs, backend,
-                            validate, draft_slots, draft_temperature)
-        if key is not None:
-            _params.remember(_PACKED_PLANS, key, plan)
+    plan = _params.planned(_PACKED_PLANS, _packed_plan, target_logits, draft_token_ids,
+                           cu_num_draft_tokens, max_draft_tokens, draft_probs, draft_logits,
+                           temperature, top_k, top_p, min_p, token_bitmask, method,
+                           return_logprobs, backend, validate, draft_slots, draft_temperature)
     batch, device = plan.batch, plan.device
     values: list = []  # the tensors whose values a validated call checks, in one read
-    params = plan.params
-    if params is None:  # some parameter is a tensor: parsed (and its values read) per call
-        params = _params.sampling_params(temperature, top_k, top_p, batch=batch,
-                                         vocab_size=plan.vocab, device=device,
-                                         validate=validate, min_p=min_p, checks=values)
-    else:
-        values += (None, None, None, None)
+    params = _call_params(plan, temperature, top_k, top_p, min_p, validate, values)
     values += (draft_token_ids, cu_num_draft_tokens)
-    slots = draft_temp = None
-    if draft_slots is not None:  # (S may be 0 at B = 0)
-        slots = _params.draft_slots(draft_slots, plan.num_slots, batch, device, True, values)
-    else:
-        values.append(None)
-    if draft_temperature is not None and plan.draft_temperature is not None:
-        draft_temp = plan.draft_temperature
-        values.append(None)
-    else:
-        draft_temp = _params.draft_temperature(draft_temperature, batch, device, True, values)
+    slots, draft_temp = _call_drafts(plan, draft_slots, draft_temperature, values)
     if validate:
         _params.check_values("verify_chain_packed", values,
                              [max_draft_tokens, plan.vocab, plan.num_slots])

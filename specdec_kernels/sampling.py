@@ -117,14 +117,8 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
             logits, vocab_shard=vocab_shard, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, offset=offset, backend=backend, validate=validate, min_p=min_p,
             token_bitmask=token_bitmask, return_logprobs=return_logprobs)
-    key = _params.call_key(logits, temperature, top_k, top_p, min_p, backend, token_bitmask,
-                           return_logprobs)
-    plan = _SAMPLE_PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _sample_plan(logits, temperature, top_k, top_p, min_p, backend, token_bitmask,
-                            return_logprobs)
-        if key is not None:
-            _params.remember(_SAMPLE_PLANS, key, plan)
+    plan = _params.planned(_SAMPLE_PLANS, _sample_plan, logits, temperature, top_k, top_p,
+                           min_p, backend, token_bitmask, return_logprobs)
     use_triton, cpp, params = plan
     batch, device = logits.shape[0], logits.device
     if params is None:  # a tensor parameter: parsed (and its values read) per call

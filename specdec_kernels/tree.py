@@ -112,16 +112,9 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset,
             method=method, backend=backend, validate=validate, min_p=min_p,
             token_bitmask=token_bitmask, return_logprobs=return_logprobs)
-    key = _params.call_key(target_logits, tree_token_ids, parents, draft_probs, draft_sampling,
-                           num_nodes, temperature, top_k, top_p, min_p, method, backend,
-                           token_bitmask, return_logprobs)
-    plan = _TREE_PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _tree_plan(target_logits, tree_token_ids, parents, draft_probs, draft_sampling,
-                          num_nodes, temperature, top_k, top_p, min_p, method, backend,
-                          token_bitmask, return_logprobs)
-        if key is not None:
-            _params.remember(_TREE_PLANS, key, plan)
+    plan = _params.planned(_TREE_PLANS, _tree_plan, target_logits, tree_token_ids, parents,
+                           draft_probs, draft_sampling, num_nodes, temperature, top_k, top_p,
+                           min_p, method, backend, token_bitmask, return_logprobs)
     batch, nodes, vocab, device, use_triton, cpp, params, counts = plan
     values: list = []  # the tensors whose values a validated call checks, in one read
     if params is None:  # a tensor parameter: parsed (and its values read) per call

@@ -115,7 +115,7 @@ void for_requests(int64_t count, int64_t grain_size, const F& body) {
   at::parallel_for(0, count, grain_size, body);
 }
 
-// Both layouts: target [R, V] rows, drafts [D] / [D, V]; row indices (packed) or null.
+// Both layouts: target [R, V] rows, drafts [D] / [D, V]; the packed rows (PackedRows) or null.
 // return_logprobs as an int (0 none, 1 processed, 2 raw); the result's tensor is empty for 0.
 cpu::Logprobs logprobs_of(int64_t kind) {
   TORCH_CHECK(kind >= 0 && kind <= 2, "logprobs must be 0 (none), 1 (processed) or 2 (raw)");
@@ -127,10 +127,20 @@ at::Tensor logprobs_tensor(cpu::Logprobs kind, at::IntArrayRef shape, const at::
                    like.options().dtype(at::kFloat));
 }
 
+// The packed layout's rows (the reference's packed_layout, in one pass over the offsets cu
+// [B+1] instead of a dozen small torch ops): request b starts at s = clamp(cu[b], 0, T) with
+// n_b = min(clamp(cu[b+1] - cu[b], 0, K), T - s) live drafts; its target row j is
+// s + b + min(j, n_b), its draft row j is s + j (T, the padding row, past n_b). Garbage
+// offsets (validate=False) give rows in range all the same.
+struct PackedRows {
+  std::vector<int64_t> target, draft;
+  at::Tensor counts;  // int32 [B]
+};
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
     const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
     const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
-    bool packed, const int64_t* target_rows, const int64_t* draft_rows, int64_t batch,
+    const PackedRows* packed, int64_t batch,
     int64_t num_drafts, const at::Tensor& num_draft_tokens, const at::Tensor& temperature,
     const at::Tensor& top_k, const at::Tensor& top_p, const std::optional<at::Tensor>& min_p,
     const std::optional<at::Tensor>& token_bitmask, const at::Tensor& seed,
@@ -156,11 +166,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
   at::Tensor bitmask;
   args.bitmask = bitmask_of(token_bitmask, target_logits.sizes().slice(0, target_logits.dim() - 1),
                             vocab, bitmask);
-  if (packed) {  // rows from packed_rows, in range by construction (none at B = 0)
+  if (packed != nullptr) {  // rows from packed_rows, in range by construction
     TORCH_CHECK(target_count == draft_count + batch,
                 "packed: target_logits [T+B, V] and draft_token_ids [T] disagree");
-    args.target_rows = target_rows;
-    args.draft_rows = draft_rows;
+    args.target_rows = packed->target.data();
+    args.draft_rows = packed->draft.data();
   } else {
     TORCH_CHECK(target_count == batch * rows && draft_count == batch * num_drafts,
                 "target_logits [B, K+1, V] and draft_token_ids [B, K] disagree");
@@ -239,28 +249,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain(
               "target_logits must be [B, K+1, V], got ", target_logits.sizes());
   const int64_t batch = target_logits.size(0), num_drafts = target_logits.size(1) - 1;
   check_cpu(draft_token_ids, "draft_token_ids", {batch, num_drafts});
-  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, false, nullptr,
-                   nullptr,
+  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, nullptr,
                    batch, num_drafts, num_draft_tokens, temperature, top_k, top_p, min_p,
                    token_bitmask, seed, offset, method, logprobs, draft_slots,
                    draft_temperature);
 }
 
-// The packed layout's rows (the reference's packed_layout, in one pass over the offsets cu
-// [B+1] instead of a dozen small torch ops): request b starts at s = clamp(cu[b], 0, T) with
-// n_b = min(clamp(cu[b+1] - cu[b], 0, K), T - s) live drafts; its target row j is
-// s + b + min(j, n_b), its draft row j is s + j (T, the padding row, past n_b). Garbage
-// offsets (validate=False) give rows in range all the same.
-struct PackedRows {
-  std::vector<int64_t> target, draft;
-  at::Tensor counts;  // int32 [B]
-};
-
 PackedRows packed_rows(const at::Tensor& cu_num_draft_tokens, int64_t num_packed,
                        int64_t num_drafts, const at::Tensor& like) {
   TORCH_CHECK(cu_num_draft_tokens.dim() == 1 && cu_num_draft_tokens.size(0) >= 1,
               "cu_num_draft_tokens must be [B+1], got ", cu_num_draft_tokens.sizes());
-  TORCH_CHECK(cu_num_draft_tokens.device().is_cpu(), "cu_num_draft_tokens must be a CPU tensor");
+  check_cpu(cu_num_draft_tokens, "cu_num_draft_tokens", cu_num_draft_tokens.sizes());
   // (The public layer allows K < 2^16, MAX_POSITION; the sizes below cannot overflow then.)
   TORCH_CHECK(num_drafts >= 0 && num_drafts < (int64_t{1} << 16),
               "max_draft_tokens must be in [0, 65536), got ", num_drafts);
@@ -328,10 +327,11 @@ bool cpu_tree_ok(const at::Tensor& parents, const std::optional<at::Tensor>& num
   const at::Tensor parent = as_type(parents, at::kLong), ids = as_type(tree_token_ids, at::kLong);
   at::Tensor count;
   if (num_nodes.has_value()) count = small(*num_nodes, "num_nodes", batch, at::kLong);
+  const int64_t* counts = count.defined() ? count.data_ptr<int64_t>() : nullptr;
   const int64_t* p = parent.data_ptr<int64_t>();
   const int64_t* d = ids.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t real = count.defined() ? count.data_ptr<int64_t>()[b] : nodes;
+    const int64_t real = counts != nullptr ? counts[b] : nodes;
     if (real < 1 || real > nodes || p[b * nodes] != -1) return false;
     for (int64_t i = 1; i < real; ++i) {
       const int64_t up = p[b * nodes + i], id = d[b * nodes + i];
@@ -355,10 +355,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_verify_chain_packed(
   const PackedRows layout = packed_rows(cu_num_draft_tokens, draft_token_ids.size(0),
                                         max_draft_tokens, target_logits);
   const int64_t batch = cu_num_draft_tokens.size(0) - 1;
-  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, true,
-                   layout.target.data(), layout.draft.data(), batch, max_draft_tokens,
-                   layout.counts, temperature, top_k, top_p, min_p, token_bitmask, seed, offset,
-                   method, logprobs, draft_slots, draft_temperature);
+  return run_chain(target_logits, draft_token_ids, draft_probs, draft_logits, &layout, batch,
+                   max_draft_tokens, layout.counts, temperature, top_k, top_p, min_p,
+                   token_bitmask, seed, offset, method, logprobs, draft_slots, draft_temperature);
 }
 
 std::tuple<at::Tensor, at::Tensor> cpu_sample(
