@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from . import _extension
+from . import _extension, _types
 
 BACKENDS = ("auto", "reference", "triton")               # sample, verify_chain, verify_tree
 EXTENSION_BACKENDS = ("auto", "reference", "extension")  # build_tree_attention, compact_*
@@ -30,7 +30,7 @@ def resolve(backend: str, device: torch.device) -> str:
     """``"triton"`` or ``"reference"``: the backend of a Triton-family op on ``device``."""
     _check(backend, BACKENDS)
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "reference"
+        return "triton" if _types.device_type(device) == "cuda" else "reference"
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend: 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
                          f"triton is imported; got tensors on {device}")

@@ -90,7 +90,7 @@ _check_isa_env()
 
 def selected(backend: str, device: torch.device) -> bool:
     """Whether ``backend`` asks for the C++ CPU path on ``device`` (before the op's own checks)."""
-    return AVAILABLE and backend == "auto" and device.type == "cpu"
+    return AVAILABLE and backend == "auto" and _types.device_type(device) == "cpu"
 
 
 def runs_chain(target_logits, draft_probs, method) -> bool:
@@ -138,7 +138,7 @@ def _plain_cpu(*tensors) -> bool:
     (``_types.tracing``: a trace records the torch code), and every argument is a plain CPU
     tensor or None."""
     return PACKED and not _types.tracing() and all(
-        t is None or (type(t) is torch.Tensor and t.device.type == "cpu") for t in tensors)
+        t is None or (type(t) is torch.Tensor and _types.device_type(t.device) == "cpu") for t in tensors)
 
 
 def packed_layout_ok(cu_num_draft_tokens, draft_token_ids, max_draft_tokens: int,

@@ -13,6 +13,7 @@ synchronise, and fail under CUDA-graph capture).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import threading
 from typing import Callable, Optional, Sequence, Union
@@ -116,7 +117,7 @@ def _stream_key(device: torch.device) -> int:
     """The device's current stream (0 on CPU): a cached tensor is filled on the stream of the
     call that made it and used only by later calls on that stream, so no call reads it before
     its fill has run, and its memory goes back to the pool of the stream that used it."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return torch.cuda.current_stream(device).cuda_stream if _types.device_type(device) == "cuda" else 0
 
 
 def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -251,29 +252,93 @@ def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerReques
     ``"sampling"``), or, given ``checks`` (a list), by the caller, whose family takes the four
     tensors this appends (temperature, top-k, top-p, min-p as parsed, before rounding; None
     for a Python number) with its own in one read."""
-    key = None
-    if type(temperature) in _SCALAR_TYPES and type(top_k) in _SCALAR_TYPES and \
-            type(top_p) in _SCALAR_TYPES and type(min_p) in _SCALAR_TYPES and \
-            not _tracing() and not _types.capturing(device):
-        key = (type(temperature), temperature, type(top_k), top_k, type(top_p), top_p,
-               type(min_p), min_p, batch, vocab_size, device, _stream_key(device))
-        cached = _PARAMS_CACHE.get(key)
-        if cached is not None:
-            if checks is not None:
-                checks += [None] * 4
-            return cached
-    params, values = _parse_sampling(temperature, top_k, top_p, min_p, batch, vocab_size,
-                                     device)
+    given = (temperature, top_k, top_p, min_p)
+    key = _params_key(given, batch, vocab_size, device)
+    cached = _PARAMS_CACHE.get(key) if key is not None else None
+    values: list = []
+    params = filled(cached, given, values) if cached is not None else None
+    if params is None:
+        params, values = _parse_sampling(temperature, top_k, top_p, min_p, batch, vocab_size,
+                                         device)
+        template = params_template(params, given) if key is not None else None
+        if template is not None:
+            with _BROADCAST_LOCK:
+                if len(_PARAMS_CACHE) >= _PARAMS_CACHE_SIZE:
+                    _PARAMS_CACHE.popitem(last=False)
+                _PARAMS_CACHE[key] = template
     if checks is not None:
         checks += values
     elif validate and any(v is not None for v in values):
         check_values("sampling", values, [])
-    if key is not None:
-        with _BROADCAST_LOCK:
-            if len(_PARAMS_CACHE) >= _PARAMS_CACHE_SIZE:
-                _PARAMS_CACHE.popitem(last=False)
-            _PARAMS_CACHE[key] = params
     return params
+
+
+def planned_params(template: Optional[SamplingParams], temperature, top_k, top_p, min_p, *,
+                   batch: int, vocab_size: int, device: torch.device, validate: bool,
+                   checks: Optional[list] = None) -> SamplingParams:
+    """A planned call's parameters: its plan's ``params_template`` with the call's tensors put
+    in, else (no template, or a tensor to copy) parsed now (``sampling_params``)."""
+    given = (temperature, top_k, top_p, min_p)
+    values: list = []
+    params = filled(template, given, values) if template is not None else None
+    if params is None:
+        return sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab_size,
+                               device=device, validate=validate, min_p=min_p, checks=checks)
+    if checks is not None:
+        checks += values
+    elif validate and any(v is not None for v in values):
+        check_values("sampling", values, [])
+    return params
+
+
+def params_template(params: SamplingParams, given: tuple) -> Optional[SamplingParams]:
+    """``params`` (parsed from ``given``: temperature, top-k, top-p, min-p) kept for later
+    calls of the same structure: without the caller's tensors, where the parse took each of
+    them as it is (the right dtype, ``[B]``, contiguous); else None (parse every call)."""
+    fields = (params.temperature, params.top_k, params.top_p, params.min_p)
+    tensors = [type(x) is torch.Tensor for x in given]
+    if not any(tensors):
+        return params
+    if not all(f is x for f, x, tensor in zip(fields, given, tensors) if tensor):
+        return None
+    return dataclasses.replace(params, **{name: None for name, tensor in
+                                          zip(_TENSOR_FIELDS, tensors) if tensor})
+
+
+def filled(template: SamplingParams, given: tuple, values: list) -> Optional[SamplingParams]:
+    """A kept template (``params_template``) with this call's tensors put in (appended to
+    ``values``, for the call's value checks, as a parse appends them); None where one is not
+    contiguous (the parse then copies it)."""
+    tensors = [x if type(x) is torch.Tensor else None for x in given]
+    values += tensors
+    if all(t is None for t in tensors):
+        return template
+    if any(t is not None and not t.is_contiguous() for t in tensors):
+        del values[-4:]
+        return None
+    return template.with_tensors(*tensors)
+
+
+_TENSOR_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def _params_key(given: tuple, batch: int, vocab_size: int, device) -> Optional[tuple]:
+    """The parsing cache's key of ``(temperature, top_k, top_p, min_p)``: Python numbers by
+    type and value, plain tensors by shape, dtype and device (their values are the call's);
+    None (parse afresh) for anything else, while tracing and under capture."""
+    key = []
+    for x in given:
+        kind = type(x)
+        if kind is torch.Tensor:
+            key += (kind, x.shape, x.dtype, x.device)
+        elif kind in _SCALAR_TYPES:
+            key += (kind, x)
+        else:
+            return None
+    if _tracing() or _types.capturing(device):
+        return None
+    key += (batch, vocab_size, device, _stream_key(device))
+    return tuple(key)
 
 
 def _parse_sampling(temperature, top_k, top_p, min_p, batch, vocab_size, device):
@@ -471,7 +536,7 @@ def call_key(*args) -> Optional[tuple]:
         if kind is torch.Tensor:
             device = x.device
             key += (x.shape, x.dtype, device)
-            if device.type == "cuda":
+            if _types.device_type(device) == "cuda":
                 cuda = device
         elif kind in _KEY_TYPES:
             key += (kind, x)

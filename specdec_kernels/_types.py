@@ -33,6 +33,15 @@ class SamplingParams:
     min_p: Optional[torch.Tensor] = None  # float32 [B], 0 disables (contract section 8)
     uses_min_p: bool = False   # host-side hint like uses_top_k: False when min_p is off
 
+    def with_tensors(self, temperature, top_k, top_p, min_p) -> "SamplingParams":
+        """These parameters with each given (not None) tensor put in its field: a kept parse
+        of one structure, for a call that passes its own tensors of that structure."""
+        return SamplingParams(
+            self.temperature if temperature is None else temperature,
+            self.top_k if top_k is None else top_k, self.top_p if top_p is None else top_p,
+            self.uses_top_k, self.uses_top_p, self.all_greedy,
+            self.min_p if min_p is None else min_p, self.uses_min_p)
+
 
 class SampleOutput(NamedTuple):
     """What :func:`sample` returns when ``return_logprobs`` is set."""
@@ -53,10 +62,22 @@ class TreeVerifyOutput(NamedTuple):
     logprobs: Optional[torch.Tensor] = None  # [B, N] float32 with return_logprobs, NaN at -1
 
 
+_DEVICE_TYPES: dict = {}
+
+
+def device_type(device: torch.device) -> str:
+    """``device.type``, remembered per device (reading it costs more than a dict lookup, and
+    every call asks it of the same few devices)."""
+    kind = _DEVICE_TYPES.get(device)
+    if kind is None:
+        kind = _DEVICE_TYPES[device] = device.type
+    return kind
+
+
 def capturing(device: torch.device) -> bool:
     """Whether ``device``'s current stream is capturing a CUDA graph (False on CPU). A module
     function, so that CPU tests can simulate capture by replacing it."""
-    if device.type != "cuda":
+    if device_type(device) != "cuda":
         return False
     with torch.cuda.device(device):  # the capture state of the tensors' device, not the current
         return torch.cuda.is_current_stream_capturing()

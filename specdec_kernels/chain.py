@@ -149,14 +149,11 @@ def verify_chain(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
 
 
 def _call_params(plan, temperature, top_k, top_p, min_p, validate, values: list):
-    """The plan's parsed parameters of Python numbers, or, where some parameter is a tensor,
-    parsed now (their values appended to ``values`` for the call's one read)."""
-    if plan.params is not None:
-        values += (None, None, None, None)
-        return plan.params
-    return _params.sampling_params(temperature, top_k, top_p, batch=plan.batch,
-                                   vocab_size=plan.vocab, device=plan.device,
-                                   validate=validate, min_p=min_p, checks=values)
+    """The call's parameters from its plan's template (their tensors appended to ``values``
+    for the call's one read)."""
+    return _params.planned_params(plan.params, temperature, top_k, top_p, min_p,
+                                  batch=plan.batch, vocab_size=plan.vocab, device=plan.device,
+                                  validate=validate, checks=values)
 
 
 def _call_drafts(plan, draft_slots, draft_temperature, values: list):
@@ -184,7 +181,7 @@ class _ChainPlan(NamedTuple):
     device: torch.device
     use_triton: bool
     cpp: bool                   # the C++ CPU path runs the call
-    params: Optional[object]    # SamplingParams of Python numbers
+    params: Optional[object]    # SamplingParams template (_params.params_template)
     count: Optional[int]        # num_draft_tokens as a Python number (None: a tensor)
     num_draft_tokens: Optional[torch.Tensor]  # its [B] tensor
     num_slots: int              # S with draft_slots, else 0
@@ -216,8 +213,7 @@ def _chain_plan(target_logits, draft_token_ids, draft_probs, draft_logits, num_d
     use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=validate, min_p=min_p, checks=[])
-    if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p, min_p)):
-        params = None
+    params = _params.params_template(params, (temperature, top_k, top_p, min_p))
     count = _host_count(num_draft_tokens, num_drafts)
     counts = _params.per_request(num_draft_tokens, "num_draft_tokens", batch, device,
                                  torch.int32, num_drafts)
@@ -335,7 +331,7 @@ class _PackedPlan(NamedTuple):
     device: torch.device
     use_triton: bool
     cpp: bool                   # the C++ CPU path runs the call
-    params: Optional[object]    # SamplingParams of Python numbers
+    params: Optional[object]    # SamplingParams template (_params.params_template)
     num_slots: int              # S with draft_slots, else 0
     draft_temperature: Optional[torch.Tensor]  # parsed, for a Python number
 
@@ -384,8 +380,7 @@ def _packed_plan(target_logits, draft_token_ids, cu_num_draft_tokens, max_draft_
     use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=validate, min_p=min_p, checks=[])
-    if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p, min_p)):
-        params = None
+    params = _params.params_template(params, (temperature, top_k, top_p, min_p))
     slots, draft_temp, num_slots = _draft_arguments(
         slotted, draft_probs, draft_logits, draft_slots, draft_temperature, batch, device, [])
     cpp = not use_triton and _cpu.PACKED and _cpu.selected(backend, device) and \

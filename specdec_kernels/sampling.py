@@ -121,10 +121,9 @@ def sample(logits: torch.Tensor, *, temperature: PerRequest = None, top_k: PerRe
                            min_p, backend, token_bitmask, return_logprobs)
     use_triton, cpp, params = plan
     batch, device = logits.shape[0], logits.device
-    if params is None:  # a tensor parameter: parsed (and its values read) per call
-        params = _params.sampling_params(temperature, top_k, top_p, batch=batch,
-                                         vocab_size=logits.shape[1], device=device,
-                                         validate=validate, min_p=min_p)
+    params = _params.planned_params(params, temperature, top_k, top_p, min_p, batch=batch,
+                                    vocab_size=logits.shape[1], device=device,
+                                    validate=validate)
     # Last: seed=None draws from torch's generator, which a rejected call must not advance.
     seeds, offsets = _params.seeds_and_offsets(seed, offset, batch=batch, device=device)
     if cpp:
@@ -157,7 +156,6 @@ def _sample_plan(logits, temperature, top_k, top_p, min_p, backend, token_bitmas
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=logits.device, validate=False, min_p=min_p,
                                      checks=[])
-    if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p, min_p)):
-        params = None
+    params = _params.params_template(params, (temperature, top_k, top_p, min_p))
     cpp = _cpu.selected(backend, logits.device) and not use_triton and _cpu.runs_sample(logits)
     return use_triton, cpp, params

@@ -117,12 +117,9 @@ def verify_tree(target_logits: torch.Tensor, tree_token_ids: torch.Tensor, paren
                            min_p, method, backend, token_bitmask, return_logprobs)
     batch, nodes, vocab, device, use_triton, cpp, params, counts = plan
     values: list = []  # the tensors whose values a validated call checks, in one read
-    if params is None:  # a tensor parameter: parsed (and its values read) per call
-        params = _params.sampling_params(temperature, top_k, top_p, batch=batch,
-                                         vocab_size=vocab, device=device, validate=validate,
-                                         min_p=min_p, checks=values)
-    else:
-        values += (None, None, None, None)
+    params = _params.planned_params(params, temperature, top_k, top_p, min_p, batch=batch,
+                                    vocab_size=vocab, device=device, validate=validate,
+                                    checks=values)
     if counts is None:
         counts = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
     if validate:
@@ -200,8 +197,7 @@ def _tree_plan(target_logits, tree_token_ids, parents, draft_probs, draft_sampli
     use_triton = _backend.resolve(backend, device) == "triton"
     params = _params.sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab,
                                      device=device, validate=False, min_p=min_p, checks=[])
-    if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p, min_p)):
-        params = None
+    params = _params.params_template(params, (temperature, top_k, top_p, min_p))
     counts = _params.per_request(num_nodes, "num_nodes", batch, device, torch.int32, nodes)
     cpp = not use_triton and _cpu.selected(backend, device) and \
         _cpu.runs_tree(target_logits, draft_probs, method)

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ... import _params
+from ..._types import device_type
 from .._common import seeds_from_generator
 from ._types import MAX_SPEC_LEN, PLACEHOLDER_TOKEN_ID, SAMPLING_EPS
 
@@ -38,7 +39,11 @@ class Step(NamedTuple):
 
 
 def parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask) -> Step:
-    """Every check the step needs, on Python values and shapes only (no device read)."""
+    """Every check the step needs, on Python values and shapes only (no device read). What
+    the step's structure decides (the tensors' shapes, dtypes and devices, the draft counts,
+    ``max_num_logprobs``) is checked and laid out once per structure; what a call's Python
+    values can change (the counts' types, ``max_spec_len``, generators, the features' host
+    lists, ``spec_token_ids``) is checked on every call."""
     if metadata is None or not all(hasattr(metadata, name) for name in (
             "draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens",
             "target_logits_indices", "bonus_logits_indices")):
@@ -48,6 +53,60 @@ def parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask) 
     if sampling_metadata is None or not hasattr(sampling_metadata, "all_greedy"):
         raise TypeError(f"sampling_metadata: expected vLLM's SamplingMetadata, "
                         f"got {type(sampling_metadata).__name__}")
+    sm = sampling_metadata
+    all_greedy = getattr(sm, "all_greedy", False)
+    key = _params.call_key(
+        logits, draft_probs, metadata.draft_token_ids, metadata.cu_num_draft_tokens,
+        metadata.target_logits_indices, metadata.bonus_logits_indices, token_bitmask,
+        getattr(sm, "temperature", None), all_greedy, getattr(sm, "top_k", None),
+        getattr(sm, "top_p", None), getattr(sm, "min_p", None),
+        getattr(sm, "max_num_logprobs", None)) if type(all_greedy) is bool else None
+    if key is not None:
+        try:
+            key += tuple(host_counts(metadata.num_draft_tokens, "num_draft_tokens"))
+        except (TypeError, ValueError):  # raised below, after the checks that come first
+            key = None
+    if key is not None:
+        step = _STEPS.get(key)
+        if step is not None:
+            check_max_spec_len(metadata, step.max_spec_len)
+            check_sampling_host(sm, step.batch, step.vocab, logits.device)
+            if draft_probs is not None:
+                check_spec_lists(sm, step.batch)
+            return step._replace(draft_token_ids=metadata.draft_token_ids,
+                                 has_processors=has_processors(sm))
+    step = _parse_structure(metadata, draft_probs, logits, sm, token_bitmask)
+    if key is not None:
+        _params.remember(_STEPS, key, step._replace(draft_token_ids=None))
+    return step
+
+
+_STEPS: dict = {}  # a step's layout by its structure (parse_step)
+
+
+def check_max_spec_len(metadata, max_spec_len: int) -> None:
+    declared = getattr(metadata, "max_spec_len", max_spec_len)
+    if isinstance(declared, bool) or not isinstance(declared, numbers.Integral) \
+            or int(declared) != max_spec_len:
+        raise ValueError(f"max_spec_len: expected max(num_draft_tokens) = {max_spec_len}, "
+                         f"got {declared!r}")
+
+
+def check_spec_lists(sm, batch: int) -> None:
+    """With ``draft_probs``, the ``-1`` drafts are found from the host lists."""
+    spec = getattr(sm, "spec_token_ids", None)
+    # None or [] (vLLM's own tests pass []): no host lists, so no -1 drafts looked for.
+    if spec is not None and (isinstance(spec, torch.Tensor) or len(spec) and (
+            len(spec) < batch or any(not isinstance(spec[b], (list, tuple))
+                                     for b in range(batch)))):
+        raise ValueError(f"spec_token_ids: expected one host list of draft ids per "
+                         f"request ({batch}) with draft_probs, got "
+                         f"{type(spec).__name__}" + ("" if isinstance(spec, torch.Tensor)
+                                                     else f" of length {len(spec)}"))
+
+
+def _parse_structure(metadata, draft_probs, logits, sampling_metadata, token_bitmask) -> Step:
+    """The step's checks in order, and its layout."""
     _params.check_tensor(logits, "logits", ndim=2, dtypes=_params.LOGIT_DTYPES)
     device = logits.device
     vocab = logits.shape[1]
@@ -57,11 +116,7 @@ def parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask) 
     batch = len(num_draft_tokens)
     num_packed = sum(num_draft_tokens)
     max_spec_len = max(num_draft_tokens, default=0)
-    declared = getattr(metadata, "max_spec_len", max_spec_len)
-    if isinstance(declared, bool) or not isinstance(declared, numbers.Integral) \
-            or int(declared) != max_spec_len:
-        raise ValueError(f"max_spec_len: expected max(num_draft_tokens) = {max_spec_len}, "
-                         f"got {declared!r}")
+    check_max_spec_len(metadata, max_spec_len)
     if max_spec_len > MAX_SPEC_LEN:
         raise ValueError(f"num_draft_tokens: expected at most MAX_SPEC_LEN = {MAX_SPEC_LEN} "
                          f"drafts per request, got {max_spec_len}")
@@ -95,16 +150,8 @@ def parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask) 
         _params.check_token_bitmask(token_bitmask, [logits.shape[0]], vocab, device,
                                     "[rows of logits, ceil(V/32)]")
     check_sampling(sampling_metadata, batch, vocab, device)
-    if draft_probs is not None:  # its -1 drafts are found from the host lists
-        spec = getattr(sampling_metadata, "spec_token_ids", None)
-        # None or [] (vLLM's own tests pass []): no host lists, so no -1 drafts looked for.
-        if spec is not None and (isinstance(spec, torch.Tensor) or len(spec) and (
-                len(spec) < batch or any(not isinstance(spec[b], (list, tuple))
-                                         for b in range(batch)))):
-            raise ValueError(f"spec_token_ids: expected one host list of draft ids per "
-                             f"request ({batch}) with draft_probs, got "
-                             f"{type(spec).__name__}" + ("" if isinstance(spec, torch.Tensor)
-                                                         else f" of length {len(spec)}"))
+    if draft_probs is not None:
+        check_spec_lists(sampling_metadata, batch)
     max_num_logprobs = getattr(sampling_metadata, "max_num_logprobs", None)
     if max_num_logprobs is not None and (isinstance(max_num_logprobs, bool) or not isinstance(
             max_num_logprobs, numbers.Integral) or not 0 <= max_num_logprobs <= vocab):
@@ -209,6 +256,12 @@ def check_sampling(sm, batch: int, vocab: int, device) -> None:
         value = getattr(sm, name, None)
         if value is not None:
             check_per_request(value, name, batch, device)
+    check_sampling_host(sm, batch, vocab, device)
+
+
+def check_sampling_host(sm, batch: int, vocab: int, device) -> None:
+    """The sampling checks of Python values (generators, the features' host lists and
+    tensors): every call's own."""
     generators = getattr(sm, "generators", None) or {}
     if not isinstance(generators, dict):
         raise TypeError(f"generators: expected a dict batch index -> torch.Generator, "
@@ -342,9 +395,11 @@ def check_op_arguments(params: dict, seed, offset, batch: int, vocab: int, devic
     _params.sampling_params(params["temperature"], params["top_k"], params["top_p"],
                             batch=batch, vocab_size=vocab, device=device, validate=False,
                             min_p=params["min_p"])
-    _params.per_request(_params._as_int64(offset, "offset"), "offset", batch, device,
-                        torch.int64, 0)
-    if seed is not None and not isinstance(seed, _params.DeferredSeeds):
+    if not _params._ready(offset, batch, device):
+        _params.per_request(_params._as_int64(offset, "offset"), "offset", batch, device,
+                            torch.int64, 0)
+    if seed is not None and not isinstance(seed, _params.DeferredSeeds) \
+            and not _params._ready(seed, batch, device):
         _params.per_request(_params._as_int64(seed, "seed"), "seed", batch, device,
                             torch.int64, 0)
 
@@ -352,7 +407,7 @@ def check_op_arguments(params: dict, seed, offset, batch: int, vocab: int, devic
 def to_device(values: list, device, dtype=torch.int64) -> torch.Tensor:
     """A host list on ``device`` without waiting (pinned staging where CUDA is involved)."""
     host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
+    if device_type(device) == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
 
@@ -440,23 +495,30 @@ def step_params(sm, batch: int) -> dict:
     temperature = getattr(sm, "temperature", None)
     if getattr(sm, "all_greedy", False) or temperature is None:
         temperature = 0.0
-    else:  # vLLM's greedy rows: temperature 0 (or below its epsilon)
-        temperature = temperature.reshape(-1)[:batch]
-        temperature = torch.where(temperature < SAMPLING_EPS,
-                                  torch.zeros_like(temperature), temperature)
+    else:
+        temperature = _first(temperature, batch)
+        if not getattr(sm, "all_random", False):  # vLLM's greedy rows: below its epsilon
+            temperature = temperature.masked_fill(temperature < SAMPLING_EPS, 0.0)
 
     def first(name):
         value = getattr(sm, name, None)
-        return None if value is None else value.reshape(-1)[:batch]
+        return None if value is None else _first(value, batch)
     return dict(temperature=temperature, top_k=first("top_k"), top_p=first("top_p"),
                 min_p=min_p_of(sm, batch))
+
+
+def _first(value: torch.Tensor, batch: int) -> torch.Tensor:
+    """The first ``batch`` entries of a per-request tensor (vLLM's may be longer or 2-D)."""
+    if value.dim() == 1 and value.shape[0] == batch:
+        return value
+    return value.reshape(-1)[:batch]
 
 
 def min_p_of(sm, batch: int) -> Optional[torch.Tensor]:
     """``min_p`` from the field (ours) or vLLM's ``MinPLogitsProcessor``."""
     min_p = getattr(sm, "min_p", None)
     if min_p is not None:
-        return min_p.reshape(-1)[:batch]
+        return _first(min_p, batch)
     for processor in processors(sm, "argmax_invariant"):
         if is_min_p(processor):
             # Its [B, 1] slice is current only while some request uses min_p.

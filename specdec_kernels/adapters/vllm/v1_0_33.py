@@ -277,11 +277,19 @@ def rejection_sample(metadata, draft_probs: Optional[torch.Tensor], logits: torc
             [ 2, -1, -1],
             [ 0,  1, -1]], dtype=torch.int32)
     """
-    config = _MethodConfig(method)
-    sampler = RejectionSampler(None, config, fused_bonus=True, backend=backend,
-                               validate=validate)
+    key = (method, backend, validate) if type(method) is str and type(backend) is str \
+        and type(validate) is bool else None
+    sampler = _SAMPLERS.get(key)
+    if sampler is None:  # built once per configuration (a module's construction costs)
+        sampler = RejectionSampler(None, _MethodConfig(method), fused_bonus=True,
+                                   backend=backend, validate=validate)
+        if key is not None:
+            _SAMPLERS[key] = sampler
     return sampler(metadata, draft_probs, logits, sampling_metadata, seed=seed, offset=offset,
                    token_bitmask=token_bitmask).sampled_token_ids
+
+
+_SAMPLERS: dict = {}  # rejection_sample's samplers by (method, backend, validate)
 
 
 @dataclass
