@@ -4,6 +4,8 @@ documented ones, and the bench runs."""
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 import os
 
 import pytest
@@ -402,3 +404,96 @@ def test_every_tracing_mode_counts_as_tracing():
     assert seen == dict.fromkeys(("real", "fake", "pre_dispatch", "functionalize", "vmap"),
                                  True), seen
     assert not _types.tracing()
+
+
+@pytest.mark.parametrize("op", ["chain", "packed", "tree", "sample"])
+def test_a_plan_of_tensor_parameters_takes_each_call_s_values(op):
+    """A plan keeps a template of tensor parameters, never their values: a repeated structure
+    with other temperatures and top-p gives what a fresh parse of them gives, a non-contiguous
+    tensor of the kept structure is parsed afresh, and a bad value is still the error."""
+    x, p = _inputs(), _packed_inputs()
+
+    def call(t, top_p):
+        s = dict(temperature=t, top_p=top_p, seed=x["seed"], offset=x["offset"])
+        if op == "chain":
+            return sk.verify_chain(x["logits"], x["ids"], draft_probs=x["probs"], **s)[0]
+        if op == "packed":
+            return sk.verify_chain_packed(p["logits"], p["ids"], p["cu"], max_draft_tokens=K,
+                                          draft_probs=p["probs"], **s)[0]
+        if op == "tree":
+            return sk.verify_tree(x["logits"], x["tree_ids"], x["parents"], **s)[0]
+        return sk.sample(x["logits"][:, 0], **s)
+
+    plans = (chain._CHAIN_PLANS, chain._PACKED_PLANS, tree._TREE_PLANS, sampling._SAMPLE_PLANS)
+    for temperature in ([0.5, 1.0, 2.0], [0.0, 3.0, 0.2], [4.0, 0.0, 1.0]):
+        t = torch.tensor(temperature)
+        top_p = torch.tensor([0.9, 0.5, 1.0])
+        kept = call(t, top_p)
+        for cache in plans:
+            cache.clear()
+        _params_cache().clear()
+        assert torch.equal(kept, call(t.clone(), top_p.clone()))  # = a fresh parse
+        strided = torch.stack([t, t], 1)[:, 0]  # the kept structure, not contiguous
+        assert not strided.is_contiguous() and torch.equal(kept, call(strided, top_p))
+    with pytest.raises(ValueError, match="^top_p: expected values in \\(0, 1\\]"):
+        call(t, torch.tensor([0.9, 0.0, 1.0]))
+
+
+def _params_cache():
+    from specdec_kernels import _params
+    return _params._PARAMS_CACHE
+
+
+def _vllm_step(num_draft_tokens, seed=0, **sampling):
+    from specdec_kernels.adapters import vllm
+    g = torch.Generator().manual_seed(seed)
+    metadata = vllm.SpecDecodeMetadata.from_draft_token_ids(
+        [torch.randint(0, V, (n,), generator=g).tolist() for n in num_draft_tokens])
+    rows = sum(num_draft_tokens) + len(num_draft_tokens)
+    logits = torch.randn(rows, V, generator=g)
+    sm = vllm.SamplingMetadata(**{"temperature": torch.full((len(num_draft_tokens),), 0.8),
+                                  "all_greedy": False, "all_random": True, **sampling})
+    return metadata, logits, sm
+
+
+def test_the_vllm_step_layout_is_kept_by_structure_and_every_call_is_still_checked():
+    """``parse_step`` keeps a step's layout by its structure: a repeated structure gives what a
+    fresh parse gives, another draft count its own layout, and what a call's Python values
+    can change (the counts' types, ``max_spec_len``, generators, ``spec_token_ids``) is still
+    checked on every call, with the error a fresh parse gives."""
+    from specdec_kernels.adapters import vllm
+    from specdec_kernels.adapters.vllm import _layout
+    sampler = vllm.RejectionSampler(None, None, fused_bonus=True)
+    seed, offset = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.int64)
+    metadata, logits, sm = _vllm_step([2, 3])
+    first = sampler(metadata, None, logits, sm, seed=seed, offset=offset).sampled_token_ids
+    other_metadata, other_logits, _ = _vllm_step([3, 2], seed=1)  # same shapes, other counts
+    other = sampler(other_metadata, None, other_logits, sm, seed=seed, offset=offset)
+    _layout._STEPS.clear()
+    assert torch.equal(first, sampler(metadata, None, logits, sm, seed=seed,
+                                      offset=offset).sampled_token_ids)
+    _layout._STEPS.clear()
+    assert torch.equal(other.sampled_token_ids, sampler(
+        other_metadata, None, other_logits, sm, seed=seed, offset=offset).sampled_token_ids)
+
+    def error(**changes):
+        bad = copy.copy(metadata)
+        for name, value in changes.pop("metadata", {}).items():
+            object.__setattr__(bad, name, value)
+        try:
+            sampler(bad, changes.pop("draft_probs", None), logits,
+                    dataclasses.replace(sm, **changes), seed=seed, offset=offset)
+        except (TypeError, ValueError) as e:
+            return type(e), str(e)
+        return None
+
+    cases = [dict(metadata=dict(num_draft_tokens=[True, 3])),
+             dict(metadata=dict(max_spec_len=2)),
+             dict(generators={5: torch.Generator()}),
+             dict(draft_probs=torch.full((5, V), 1.0 / V), spec_token_ids=[[1, 2]])]
+    for case in cases:
+        for _ in range(2):  # the step's structure is kept by then
+            sampler(metadata, None, logits, sm, seed=seed, offset=offset)
+        kept = error(**dict(case))
+        _layout._STEPS.clear()
+        assert kept is not None and kept == error(**dict(case)), case
