@@ -148,6 +148,27 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
     return tensor
 
 
+def arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)`` (int64), cached as ``broadcast`` caches its fills (internal, never
+    written, bypassed while tracing and under capture)."""
+    if _tracing() or _types.capturing(device):
+        return torch.arange(n, device=device)
+    key = ("arange", n, device, _stream_key(device))
+    cached = _BROADCAST_CACHE.get(key)
+    if cached is None:
+        cached = torch.arange(n, device=device)
+        with _BROADCAST_LOCK:
+            if len(_BROADCAST_CACHE) >= _BROADCAST_CACHE_SIZE:
+                _BROADCAST_CACHE.popitem(last=False)
+            _BROADCAST_CACHE[key] = cached
+    return cached
+
+
+def as_int64(x: torch.Tensor) -> torch.Tensor:
+    """``x.to(torch.int64)``, without a dispatch where it is int64 already."""
+    return x if x.dtype == torch.int64 else x.to(torch.int64)
+
+
 def _any(mask: torch.Tensor) -> bool:
     return bool(mask.any().item())
 

@@ -37,7 +37,7 @@ and ``[T]`` index tensors are built.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -127,37 +127,60 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
         if draft_logits.shape[1] < num_speculative_steps or draft_logits.shape[2] < vocab:
             raise ValueError(f"draft_logits: expected [max_num_reqs, >= {num_speculative_steps}"
                              f", >= {vocab}], got {list(draft_logits.shape)}")
-    num_packed = num_logits - num_reqs  # T: every request has one bonus row
     if value_checks_wanted(validate, device):
         _check_indices(cu_num_logits, idx_mapping, slot_sizes, num_logits, num_speculative_steps)
 
-    cu = cu_num_logits.to(torch.int64)
-    requests = torch.arange(num_reqs, device=device)
-    cu_drafts = cu - torch.cat([requests, requests.new_full((1,), num_reqs)])  # exclusive [B+1]
-    packed = torch.arange(num_packed, device=device)
-    request_of = torch.searchsorted(cu_drafts[1:], packed, right=True).clamp(max=max(num_reqs - 1, 0))
-    draft_rows = (packed + request_of + 1).clamp(max=max(num_logits - 1, 0))
-    draft_ids = draft_sampled.to(torch.int64)[draft_rows] if num_packed else \
-        draft_sampled.new_zeros(0, dtype=torch.int64)
-
-    # Unvalidated slots past the end are clamped: never a read out of bounds (the op clamps
-    # draft_slots itself).
-    slots = idx_mapping.to(torch.int64).clamp(0, max(min(slot_sizes.values()) - 1, 0))
-    temp = temperature.to(torch.float32)[slots]
-    greedy = temp == 0
+    layout = packed_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,
+                           num_reqs, num_logits, min(slot_sizes.values()))
     # The drafter's rows in place: request i's draft j is draft_logits[idx_mapping[i], j, :V],
     # at temperature[idx_mapping[i]] (greedy requests ignore q).
     draft_args = {} if draft_logits is None else dict(
-        draft_logits=draft_logits, draft_slots=idx_mapping, draft_temperature=temp)
-    first_pos = pos.to(torch.int64)[cu[:num_reqs].clamp(max=max(num_logits - 1, 0))] \
-        if num_logits else pos.new_zeros(num_reqs, dtype=torch.int64)
+        draft_logits=draft_logits, draft_slots=idx_mapping, draft_temperature=layout.temperature)
     out = verify_chain_packed(
-        target_logits, draft_ids, cu_drafts, max_draft_tokens=num_speculative_steps,
-        **draft_args, temperature=torch.where(greedy, 0.0, 1.0),
-        seed=seed.to(torch.int64)[slots], offset=first_pos,
+        target_logits, layout.draft_ids, layout.cu_drafts, max_draft_tokens=num_speculative_steps,
+        **draft_args, temperature=layout.verify_temperature, seed=layout.seeds,
+        offset=layout.first_pos,
         method="block" if use_block_verification else "token", backend=backend,
         validate=False)
     return out.output_token_ids.to(torch.int64), out.num_accepted + 1
+
+
+class PackedLayout(NamedTuple):
+    """MRV2's step in our packed layout (``packed_layout``)."""
+    cu_drafts: torch.Tensor           # [B+1] int64 exclusive draft offsets
+    request_of: torch.Tensor          # [T] each draft's request
+    draft_ids: torch.Tensor           # [T] int64
+    slots: torch.Tensor               # [B] request slots (idx_mapping, clamped)
+    temperature: torch.Tensor         # [B] float32, the requests' own (0 = greedy)
+    verify_temperature: torch.Tensor  # [B] 0 for greedy, else 1 (the logits are processed)
+    seeds: torch.Tensor               # [B] int64
+    first_pos: torch.Tensor           # [B] int64, each request's first position: its offset
+
+
+def packed_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,
+                  num_reqs: int, num_logits: int, num_slots: int) -> PackedLayout:
+    """MRV2's layout (request ``i``'s rows ``cu_num_logits[i] ..`` with its bonus row last;
+    ``draft_sampled[r]`` the draft row ``r - 1`` verifies) in ours, on the device, no
+    synchronisation. Unvalidated indices past the end are clamped: never a read out of
+    bounds."""
+    device = draft_sampled.device
+    num_packed = num_logits - num_reqs  # T: every request has one bonus row
+    cu = _params.as_int64(cu_num_logits)
+    cu_drafts = cu - _params.arange(num_reqs + 1, device)  # exclusive [B+1]
+    packed = _params.arange(num_packed, device)
+    request_of = torch.searchsorted(cu_drafts[1:], packed, right=True).clamp(
+        max=max(num_reqs - 1, 0))
+    draft_rows = (packed + request_of + 1).clamp(max=max(num_logits - 1, 0))
+    draft_ids = _params.as_int64(draft_sampled)[draft_rows] if num_packed else \
+        draft_sampled.new_zeros(0, dtype=torch.int64)
+    slots = _params.as_int64(idx_mapping).clamp(0, max(num_slots - 1, 0))
+    temp = temperature[slots]
+    if temp.dtype != torch.float32:
+        temp = temp.float()
+    first_pos = _params.as_int64(pos)[cu[:num_reqs].clamp(max=max(num_logits - 1, 0))] \
+        if num_logits else pos.new_zeros(num_reqs, dtype=torch.int64)
+    return PackedLayout(cu_drafts, request_of, draft_ids, slots, temp,
+                        (temp != 0).to(torch.float32), _params.as_int64(seed)[slots], first_pos)
 
 
 def _check_indices(cu_num_logits, idx_mapping, slot_sizes: dict, num_logits: int,

@@ -54,7 +54,7 @@ from ... import _params
 from ...chain import verify_chain_packed
 from .._common import value_checks_wanted
 from . import _delegate
-from .mrv2_0_33 import _check_indices
+from .mrv2_0_33 import _check_indices, packed_layout
 
 __all__ = ["rejection_sample", "RejectionSampler", "swap", "VLLM_VERSION"]
 
@@ -171,43 +171,28 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits_cache,
         vocab = values.shape[2]
         target_logits = target_logits[:, :vocab]
     num_packed = num_logits - num_reqs  # every request has one bonus row
-
-    cu = cu_num_logits.to(torch.int64)
-    requests = torch.arange(num_reqs, device=device)
-    cu_drafts = cu - torch.cat([requests, requests.new_full((1,), num_reqs)])  # exclusive [B+1]
-    packed = torch.arange(num_packed, device=device)
-    request_of = torch.searchsorted(cu_drafts[1:], packed, right=True).clamp(
-        max=max(num_reqs - 1, 0))
-    draft_rows = (packed + request_of + 1).clamp(max=max(num_logits - 1, 0))
-    draft_ids = draft_sampled.to(torch.int64)[draft_rows] if num_packed else \
-        draft_sampled.new_zeros(0, dtype=torch.int64)
-
-    # Unvalidated slots past the end are clamped: never a read out of bounds.
-    slots = idx_mapping.to(torch.int64).clamp(0, max(min(slot_sizes.values()) - 1, 0))
-    temp = temperature.to(torch.float32)[slots]
-    greedy = temp == 0
-    draft_args = {}
+    layout = packed_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,
+                           num_reqs, num_logits, min(slot_sizes.values()))
+    draft_ids, draft_args = layout.draft_ids, {}
     if values is not None:
-        rows = slots if row_mapping is None else \
-            row_mapping.to(torch.int64)[slots].clamp(max=values.shape[0] - 1)
+        rows = layout.slots if row_mapping is None else \
+            _params.as_int64(row_mapping)[layout.slots].clamp(max=values.shape[0] - 1)
         if row_mapping is not None and num_packed:
             # No row on this rank: the drafter's q is unknown, so its drafts are rejected
             # and the target is sampled (exact whatever the drafts were).
-            draft_ids = torch.where(rows[request_of] < 0, -1, draft_ids)
+            draft_ids = torch.where(rows[layout.request_of] < 0, -1, draft_ids)
         draft_args = dict(draft_logits=values, draft_slots=rows.clamp(min=0),
-                          draft_temperature=temp)
-    first_pos = pos.to(torch.int64)[cu[:num_reqs].clamp(max=max(num_logits - 1, 0))] \
-        if num_logits else pos.new_zeros(num_reqs, dtype=torch.int64)
+                          draft_temperature=layout.temperature)
     out = verify_chain_packed(
-        target_logits, draft_ids, cu_drafts, max_draft_tokens=num_speculative_steps,
-        **draft_args, temperature=torch.where(greedy, 0.0, 1.0),
-        seed=seed.to(torch.int64)[slots], offset=first_pos,
+        target_logits, draft_ids, layout.cu_drafts, max_draft_tokens=num_speculative_steps,
+        **draft_args, temperature=layout.verify_temperature, seed=layout.seeds,
+        offset=layout.first_pos,
         method="block" if use_block_verification else "token", backend=backend,
         validate=False)
     sampled, num_sampled = out.output_token_ids.to(torch.int64), out.num_accepted + 1
     # vLLM never emits -1 as a token: a row with no finite logit (ours: -1, contract section
     # 7) gets what vLLM's kernels write there, token 0 (its argmax over all -inf).
-    emitted = torch.arange(sampled.shape[1], device=device) < num_sampled[:, None]
+    emitted = _params.arange(sampled.shape[1], device) < num_sampled[:, None]
     return torch.where(emitted & (sampled < 0), 0, sampled), num_sampled
 
 
