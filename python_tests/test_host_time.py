@@ -497,3 +497,30 @@ def test_the_vllm_step_layout_is_kept_by_structure_and_every_call_is_still_check
         kept = error(**dict(case))
         _layout._STEPS.clear()
         assert kept is not None and kept == error(**dict(case)), case
+
+
+def test_a_validated_vllm_step_reads_the_host_once():
+    """vLLM's validated step checks the ids, its layout, the parameters and the prompt in
+    one read (on a GPU each read is a synchronisation), with each check's own error."""
+    from specdec_kernels.adapters import vllm
+    sampler = vllm.RejectionSampler(None, None, fused_bonus=True, validate=True)
+    seed, offset = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.int64)
+    metadata, logits, sm = _vllm_step([2, 3])
+    sampler(metadata, None, logits, sm, seed=seed, offset=offset)
+    with _Reads() as reads:
+        sampler(metadata, None, logits, sm, seed=seed, offset=offset)
+    assert reads.counts["reads"] == 1
+    bad = copy.copy(metadata)
+    object.__setattr__(bad, "draft_token_ids", metadata.draft_token_ids.clone())
+    bad.draft_token_ids[3] = V
+    with pytest.raises(ValueError, match=r"^draft_token_ids: expected ids in \[0, 20\) or -1 "
+                                         r".* got 20 at \[3\]"):
+        sampler(bad, None, logits, sm, seed=seed, offset=offset)
+    bad = copy.copy(metadata)
+    object.__setattr__(bad, "bonus_logits_indices", metadata.bonus_logits_indices.flip(0))
+    with pytest.raises(ValueError, match=r"^bonus_logits_indices: expected vLLM's layout .*"
+                                         r"\[2, 6\], got \[6, 2\]"):
+        sampler(bad, None, logits, sm, seed=seed, offset=offset)
+    with pytest.raises(ValueError, match="^temperature: expected finite values >= 0"):
+        sampler(metadata, None, logits, dataclasses.replace(sm, temperature=torch.tensor(
+            [0.8, float("nan")])), seed=seed, offset=offset)

@@ -26,6 +26,7 @@ import platform
 import pstats
 import statistics
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -82,6 +83,7 @@ def adapter_calls(x) -> dict:
     takes on CUDA (``validate=False``: vLLM's ``RejectionSampler`` object as its runner builds
     it, the other adapters' CUDA default)."""
     from specdec_kernels.adapters import flashinfer, sglang, vllm, vllm_mrv2  # noqa: PLC0415
+    from specdec_kernels.adapters.vllm import mrv2_0_34  # noqa: PLC0415
     calls = {}
     ids = x["ids"][0].tolist()
     metadata = vllm.SpecDecodeMetadata.from_draft_token_ids([ids] * B)
@@ -112,6 +114,15 @@ def adapter_calls(x) -> dict:
         lambda: vllm_mrv2.rejection_sample(**mrv2)
     calls[("vLLM MRV2 rejection_sample", "draft logits, validate=False (CUDA's default)")] = \
         lambda: vllm_mrv2.rejection_sample(**mrv2, validate=False)
+    # vLLM 0.34.0 (the newest release): the drafter's rows in a DraftLogitsCache.
+    cache = types.SimpleNamespace(values=mrv2["draft_logits"], row_mapping=None)
+    mrv2_034 = {**{k: v for k, v in mrv2.items() if k != "draft_logits"},
+                "draft_logits_cache": cache}
+    calls[("vLLM 0.34 MRV2 rejection_sample", "draft logits cache")] = \
+        lambda: mrv2_0_34.rejection_sample(**mrv2_034)
+    calls[("vLLM 0.34 MRV2 rejection_sample",
+           "draft logits cache, validate=False (CUDA's default)")] = \
+        lambda: mrv2_0_34.rejection_sample(**mrv2_034, validate=False)
     target_probs = torch.softmax(x["logits"], -1)
     calls[("FlashInfer chain_speculative_sampling", "draft probs")] = \
         lambda: flashinfer.chain_speculative_sampling(

@@ -36,6 +36,7 @@ class Step(NamedTuple):
     bonus_slot_requests: list
     max_num_logprobs: Optional[int]
     has_processors: bool
+    layout_rows: Optional[tuple]     # in place: the rows of vLLM's target and bonus indices
 
 
 def parse_step(metadata, draft_probs, logits, sampling_metadata, token_bitmask) -> Step:
@@ -177,51 +178,67 @@ def _parse_structure(metadata, draft_probs, logits, sampling_metadata, token_bit
                     bonus_slots.append(b * (max_spec_len + 1) + j)
                     bonus_slot_requests.append(b)
         slot_rows_device = to_device(slot_rows, device)
+    layout_rows = None
+    if in_place:  # (for validate=True: vLLM's indices compared on the device)
+        drafts = [j < num_draft_tokens[b] for b, j in zip(row_request, row_position)]
+        layout_rows = tuple(to_device([r for r, d in enumerate(drafts) if d == want], device)
+                            for want in (True, False))
     return Step(batch, num_draft_tokens, max_spec_len, num_packed, draft_token_ids,
                 cu_exclusive, num_drafts_device, in_place, has_bonus_rows, vocab,
                 row_request, row_position, slot_rows_device, bonus_slots,
-                bonus_slot_requests, max_num_logprobs, has_processors(sampling_metadata))
+                bonus_slot_requests, max_num_logprobs, has_processors(sampling_metadata),
+                layout_rows)
 
 
-def check_values(step: Step, metadata, logits, sm, offset) -> None:
-    """``validate=True``: the device values too (a synchronisation): draft ids in ``[-1, V)``,
-    vLLM's runner layout (or in-range indices), the sampling parameters' ranges."""
-    device = logits.device
-    ids = step.draft_token_ids.to(torch.int64)
-    bad = (ids < PLACEHOLDER_TOKEN_ID) | (ids >= step.vocab)
-    if bool(bad.any()):
-        t = _params.first_true(bad)
-        raise ValueError(f"draft_token_ids: expected ids in [0, {step.vocab}) or -1 (a "
+def check_values(step: Step, metadata, logits, sm, offset, params: dict) -> None:
+    """``validate=True``: the device values too, in one read (``raise_first_failure``): draft
+    ids in ``[-1, V)``, vLLM's runner layout (or in-range indices), the sampling parameters'
+    ranges, the prompt ids with penalties; on a failure the first one's error, in this order."""
+    device, rows, vocab = logits.device, logits.shape[0], step.vocab
+    checks = []
+    ids = _params.as_int64(step.draft_token_ids)
+    bad_ids = (ids < PLACEHOLDER_TOKEN_ID) | (ids >= vocab)
+
+    def ids_error():
+        t = _params.first_true(bad_ids)
+        raise ValueError(f"draft_token_ids: expected ids in [0, {vocab}) or -1 (a "
                          f"rejected draft), got {int(ids[t])} at [{t}]")
-    rows = logits.shape[0]
-    starts = step.cu_exclusive.tolist()
-    cu = metadata.cu_num_draft_tokens.to(torch.int64).tolist()
-    if cu != starts[1:]:
+    checks.append((bad_ids, ids_error))
+    cu = _params.as_int64(metadata.cu_num_draft_tokens)
+
+    def cu_error():
         raise ValueError(f"cu_num_draft_tokens: expected the inclusive sums of "
-                         f"num_draft_tokens {starts[1:]}, got {cu}")
-    for name in ("target_logits_indices", "bonus_logits_indices"):
-        index = getattr(metadata, name).to(torch.int64)
+                         f"num_draft_tokens {step.cu_exclusive.tolist()[1:]}, got {cu.tolist()}")
+    checks.append((cu != step.cu_exclusive[1:], cu_error))
+    for name, want in zip(("target_logits_indices", "bonus_logits_indices"),
+                          step.layout_rows or (None, None)):
+        index = _params.as_int64(getattr(metadata, name))
         if step.in_place:
-            want = [r for r, (b, j) in enumerate(zip(step.row_request, step.row_position))
-                    if (j < step.num_draft_tokens[b]) == (name == "target_logits_indices")]
-            if index.tolist() != want:
+            def layout_error(name=name, index=index, want=want):
                 raise ValueError(f"{name}: expected vLLM's layout for num_draft_tokens "
                                  f"{step.num_draft_tokens} (each request's draft rows, then "
-                                 f"its bonus row), {want}, got {index.tolist()}")
-        elif index.numel() and bool(((index < 0) | (index >= rows)).any()):
-            raise ValueError(f"{name}, cu_num_draft_tokens: expected row indices in "
-                             f"[0, {rows}) (logits has {rows} rows), got {index.tolist()}")
-    params = step_params(sm, step.batch)
+                                 f"its bonus row), {want.tolist()}, got {index.tolist()}")
+            checks.append((index != want, layout_error))
+        else:
+            def range_error(name=name, index=index):
+                raise ValueError(f"{name}, cu_num_draft_tokens: expected row indices in "
+                                 f"[0, {rows}) (logits has {rows} rows), got {index.tolist()}")
+            checks.append(((index < 0) | (index >= rows), range_error))
+    values: list = []
     _params.sampling_params(params["temperature"], params["top_k"], params["top_p"],
-                            batch=step.batch, vocab_size=step.vocab, device=device,
-                            validate=True, min_p=params["min_p"])
+                            batch=step.batch, vocab_size=vocab, device=device,
+                            validate=True, min_p=params["min_p"], checks=values)
+    checks += _params.sampling_checks(*values)
     prompt = getattr(sm, "prompt_token_ids", None)
     if not getattr(sm, "no_penalties", True) and prompt.numel():
-        bad = (prompt < 0) | (prompt > step.vocab)
-        if bool(bad.any()):
-            b, i = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"prompt_token_ids: expected ids in [0, {step.vocab}] ({step.vocab}"
+        bad_prompt = (prompt < 0) | (prompt > vocab)
+
+        def prompt_error():
+            b, i = (int(x) for x in bad_prompt.nonzero()[0])
+            raise ValueError(f"prompt_token_ids: expected ids in [0, {vocab}] ({vocab}"
                              f": padding), got {int(prompt[b, i])} at [{b}, {i}]")
+        checks.append((bad_prompt, prompt_error))
+    _params.raise_first_failure(checks)
     _params.per_request(_params._as_int64(offset, "offset"), "offset", step.batch, device,
                         torch.int64, 0)
 

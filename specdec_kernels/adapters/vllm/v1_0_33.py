@@ -183,7 +183,7 @@ class RejectionSampler(torch.nn.Module):
         params = step_params(sampling_metadata, step.batch)
         check_op_arguments(params, seed, offset, step.batch, step.vocab, logits.device)
         if self.validate:
-            check_values(step, metadata, logits, sampling_metadata, offset)
+            check_values(step, metadata, logits, sampling_metadata, offset, params)
         want_logprobs = step.max_num_logprobs is not None
         # Without a sampler we fuse what we can (unknown processors are ignored, as vLLM
         # ignores them on draft rows); with one, only a batch that uses nothing else.
