@@ -155,7 +155,12 @@ def arange(n: int, device: torch.device) -> torch.Tensor:
         return torch.arange(n, device=device)
     key = ("arange", n, device, _stream_key(device))
     cached = _BROADCAST_CACHE.get(key)
-    if cached is None:
+    if cached is not None:
+        try:
+            _BROADCAST_CACHE.move_to_end(key)  # (least recently used out first, as broadcast)
+        except KeyError:
+            pass
+    else:
         cached = torch.arange(n, device=device)
         with _BROADCAST_LOCK:
             if len(_BROADCAST_CACHE) >= _BROADCAST_CACHE_SIZE:

@@ -204,7 +204,7 @@ def check_values(step: Step, metadata, logits, sm, offset, params: dict) -> None
         raise ValueError(f"draft_token_ids: expected ids in [0, {vocab}) or -1 (a "
                          f"rejected draft), got {int(ids[t])} at [{t}]")
     checks.append((bad_ids, ids_error))
-    cu = _params.as_int64(metadata.cu_num_draft_tokens)
+    cu = _params.as_int64(metadata.cu_num_draft_tokens).to(device)  # (metadata may be on the host)
 
     def cu_error():
         raise ValueError(f"cu_num_draft_tokens: expected the inclusive sums of "
@@ -212,7 +212,7 @@ def check_values(step: Step, metadata, logits, sm, offset, params: dict) -> None
     checks.append((cu != step.cu_exclusive[1:], cu_error))
     for name, want in zip(("target_logits_indices", "bonus_logits_indices"),
                           step.layout_rows or (None, None)):
-        index = _params.as_int64(getattr(metadata, name))
+        index = _params.as_int64(getattr(metadata, name)).to(device)
         if step.in_place:
             def layout_error(name=name, index=index, want=want):
                 raise ValueError(f"{name}: expected vLLM's layout for num_draft_tokens "
@@ -237,7 +237,7 @@ def check_values(step: Step, metadata, logits, sm, offset, params: dict) -> None
             b, i = (int(x) for x in bad_prompt.nonzero()[0])
             raise ValueError(f"prompt_token_ids: expected ids in [0, {vocab}] ({vocab}"
                              f": padding), got {int(prompt[b, i])} at [{b}, {i}]")
-        checks.append((bad_prompt, prompt_error))
+        checks.append((bad_prompt.to(device), prompt_error))
     _params.raise_first_failure(checks)
     _params.per_request(_params._as_int64(offset, "offset"), "offset", step.batch, device,
                         torch.int64, 0)
@@ -514,8 +514,8 @@ def step_params(sm, batch: int) -> dict:
         temperature = 0.0
     else:
         temperature = _first(temperature, batch)
-        if not getattr(sm, "all_random", False):  # vLLM's greedy rows: below its epsilon
-            temperature = temperature.masked_fill(temperature < SAMPLING_EPS, 0.0)
+        # vLLM's greedy rows: below its epsilon (-1 or 0, by version)
+        temperature = temperature.masked_fill(temperature < SAMPLING_EPS, 0.0)
 
     def first(name):
         value = getattr(sm, name, None)
