@@ -117,7 +117,9 @@ def _stream_key(device: torch.device) -> int:
     """The device's current stream (0 on CPU): a cached tensor is filled on the stream of the
     call that made it and used only by later calls on that stream, so no call reads it before
     its fill has run, and its memory goes back to the pool of the stream that used it."""
-    return torch.cuda.current_stream(device).cuda_stream if _types.device_type(device) == "cuda" else 0
+    if _types.device_type(device) != "cuda":
+        return 0
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -132,7 +134,12 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
     # graph constant, and a fake tensor must never enter the cache).
     if _tracing() or _types.capturing(device):
         return torch.full((batch,), value, dtype=dtype, device=device)
-    key = (type(value), value, batch, dtype, device, _stream_key(device))
+    return _kept((type(value), value, batch, dtype, device, _stream_key(device)),
+                 lambda: torch.full((batch,), value, dtype=dtype, device=device))
+
+
+def _kept(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The internal tensor kept under ``key`` in the bounded cache, else ``make()``, kept."""
     cached = _BROADCAST_CACHE.get(key)
     if cached is not None:
         try:
@@ -140,7 +147,7 @@ def broadcast(value: Scalar, batch: int, dtype: torch.dtype, device: torch.devic
         except KeyError:  # evicted by another thread since the lookup: the tensor stays valid
             pass
         return cached
-    tensor = torch.full((batch,), value, dtype=dtype, device=device)
+    tensor = make()
     with _BROADCAST_LOCK:
         if len(_BROADCAST_CACHE) >= _BROADCAST_CACHE_SIZE:
             _BROADCAST_CACHE.popitem(last=False)
@@ -153,20 +160,8 @@ def arange(n: int, device: torch.device) -> torch.Tensor:
     written, bypassed while tracing and under capture)."""
     if _tracing() or _types.capturing(device):
         return torch.arange(n, device=device)
-    key = ("arange", n, device, _stream_key(device))
-    cached = _BROADCAST_CACHE.get(key)
-    if cached is not None:
-        try:
-            _BROADCAST_CACHE.move_to_end(key)  # (least recently used out first, as broadcast)
-        except KeyError:
-            pass
-    else:
-        cached = torch.arange(n, device=device)
-        with _BROADCAST_LOCK:
-            if len(_BROADCAST_CACHE) >= _BROADCAST_CACHE_SIZE:
-                _BROADCAST_CACHE.popitem(last=False)
-            _BROADCAST_CACHE[key] = cached
-    return cached
+    return _kept(("arange", n, device, _stream_key(device)),
+                 lambda: torch.arange(n, device=device))
 
 
 def as_int64(x: torch.Tensor) -> torch.Tensor:
@@ -292,11 +287,7 @@ def sampling_params(temperature: PerRequest, top_k: PerRequest, top_p: PerReques
                 if len(_PARAMS_CACHE) >= _PARAMS_CACHE_SIZE:
                     _PARAMS_CACHE.popitem(last=False)
                 _PARAMS_CACHE[key] = template
-    if checks is not None:
-        checks += values
-    elif validate and any(v is not None for v in values):
-        check_values("sampling", values, [])
-    return params
+    return _checked(params, values, checks, validate)
 
 
 def planned_params(template: Optional[SamplingParams], temperature, top_k, top_p, min_p, *,
@@ -310,6 +301,13 @@ def planned_params(template: Optional[SamplingParams], temperature, top_k, top_p
     if params is None:
         return sampling_params(temperature, top_k, top_p, batch=batch, vocab_size=vocab_size,
                                device=device, validate=validate, min_p=min_p, checks=checks)
+    return _checked(params, values, checks, validate)
+
+
+def _checked(params: SamplingParams, values: list, checks: Optional[list],
+             validate: bool) -> SamplingParams:
+    """``params``, with its tensors' values handed to the caller's ``checks`` or, validating,
+    checked now."""
     if checks is not None:
         checks += values
     elif validate and any(v is not None for v in values):
@@ -336,12 +334,11 @@ def filled(template: SamplingParams, given: tuple, values: list) -> Optional[Sam
     ``values``, for the call's value checks, as a parse appends them); None where one is not
     contiguous (the parse then copies it)."""
     tensors = [x if type(x) is torch.Tensor else None for x in given]
+    if any(t is not None and not t.is_contiguous() for t in tensors):
+        return None
     values += tensors
     if all(t is None for t in tensors):
         return template
-    if any(t is not None and not t.is_contiguous() for t in tensors):
-        del values[-4:]
-        return None
     return template.with_tensors(*tensors)
 
 
