@@ -492,8 +492,9 @@ def test_the_vllm_step_layout_is_kept_by_structure_and_every_call_is_still_check
              dict(generators={5: torch.Generator()}),
              dict(draft_probs=torch.full((5, V), 1.0 / V), spec_token_ids=[[1, 2]])]
     for case in cases:
-        for _ in range(2):  # the step's structure is kept by then
-            sampler(metadata, None, logits, sm, seed=seed, offset=offset)
+        for _ in range(2):  # the step's structure (the case's draft_probs too) is kept by then
+            sampler(metadata, case.get("draft_probs"), logits, sm, seed=seed, offset=offset)
+        assert _layout._STEPS
         kept = error(**dict(case))
         _layout._STEPS.clear()
         assert kept is not None and kept == error(**dict(case)), case
