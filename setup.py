@@ -78,7 +78,8 @@ def _extension():
         "csrc/core/sampling_cpu_avx2.cpp",
         "csrc/core/sampling_cpu_avx512.cpp",
     ]
-    sources = ["csrc/torch/ops.cpp", "csrc/torch/ops_sampling_cpu.cpp", "csrc/torch/module.cpp"]
+    sources = ["csrc/torch/ops.cpp", "csrc/torch/ops_sampling_cpu.cpp",
+               "csrc/torch/ops_adapters_cpu.cpp", "csrc/torch/module.cpp"]
     # The core prebuilt by CMake (the same -O3 and floating-point flags, position-
     # independent; without the -g -fwrapv Python adds here, which change no value of code free
     # of signed overflow, as the UBSan build checks) is linked as an archive, after the

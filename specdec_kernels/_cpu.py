@@ -38,6 +38,8 @@ AVAILABLE = _extension.HAS_EXTENSION and _registered()
 # This version's packed op (it reads cu_num_draft_tokens) and value checks; an older build
 # without them leaves packed calls to the reference.
 PACKED = AVAILABLE and hasattr(torch.ops.specdec, "cpu_packed_layout_ok")
+# The engine adapters' ops (csrc/torch/ops_adapters_cpu.cpp); an older build lacks them.
+ADAPTERS = PACKED and hasattr(torch.ops.specdec, "cpu_sglang_write_path")
 
 # The instruction-set builds of the C++ path (csrc/core/sampling_cpu*.cpp), as PyTorch's own
 # CPU kernels dispatch DEFAULT / AVX2 / AVX512: every build gives the same tokens.
@@ -137,8 +139,12 @@ def _plain_cpu(*tensors) -> bool:
     """The C++ helpers below run: the extension has them (``PACKED``), nothing is tracing
     (``_types.tracing``: a trace records the torch code), and every argument is a plain CPU
     tensor or None."""
-    return PACKED and not _types.tracing() and all(
-        t is None or (type(t) is torch.Tensor and _types.device_type(t.device) == "cpu") for t in tensors)
+    if not PACKED or _types.tracing():
+        return False
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or not t.is_cpu):
+            return False
+    return True
 
 
 def packed_layout_ok(cu_num_draft_tokens, draft_token_ids, max_draft_tokens: int,
@@ -167,6 +173,72 @@ def uniform(seed, offset, position, purpose: int) -> Optional[torch.Tensor]:
     flat = [t.reshape(-1).to(torch.int64) for t in (seed, offset, position)]
     _, u, _ = torch.ops.specdec.cpu_random_words(*flat, purpose, torch.zeros_like(flat[0]))
     return u.view(seed.shape)
+
+
+def _adapters_run(*tensors) -> bool:
+    return ADAPTERS and _plain_cpu(*tensors)
+
+
+def flashinfer_counts(target_probs, draft_probs, draft_token_ids, num_accepted, seeds, offsets,
+                      accepted, emitted) -> bool:
+    """The FlashInfer adapter's two counters (``_independently_accepted`` and the adds) by one
+    C++ op, in place; False, and nothing written, where it does not run (``_plain_cpu``, a
+    counter that is not contiguous): the caller takes its torch code."""
+    tensors = (target_probs, draft_probs, draft_token_ids, num_accepted, seeds, offsets,
+               accepted, emitted)
+    if not _adapters_run(*tensors) or not (accepted.is_contiguous() and emitted.is_contiguous()):
+        return False
+    torch.ops.specdec.cpu_flashinfer_counts(*tensors)
+    return True
+
+
+def sglang_parents(retrive_next_token, retrive_next_sibling):
+    """``(parents, one_tree)`` of SGLang's lists by one C++ op (``tree_from_sglang``'s pointer
+    jumping, and whether ``_check_links`` passes); None where it does not run."""
+    if not _adapters_run(retrive_next_token, retrive_next_sibling):
+        return None
+    return torch.ops.specdec.cpu_sglang_parents(retrive_next_token, retrive_next_sibling)
+
+
+def sglang_outputs_ok(retrive_index, flat_size: int, parents, num_spec_step: int) -> bool:
+    """Whether the SGLang adapter's output checks (``_check_outputs``) pass, in one pass; False
+    where the op does not run or finds a fault: the torch checks then decide, and name it."""
+    return _adapters_run(retrive_index, parents) and torch.ops.specdec.cpu_sglang_outputs_ok(
+        retrive_index, flat_size, parents, num_spec_step)
+
+
+def sglang_write_path(predicts, accept_index, accept_token_num, retrive_index, accepted_nodes,
+                      output_token_ids, num_accepted, vocab) -> bool:
+    """The SGLang adapter's ``_write_path`` by one C++ op (in place); False, and nothing
+    written, where it does not run (also for outputs that are not contiguous)."""
+    outputs = (predicts, accept_index, accept_token_num)
+    if not _adapters_run(*outputs, retrive_index, accepted_nodes, output_token_ids,
+                         num_accepted) or not all(t.is_contiguous() for t in outputs):
+        return False
+    torch.ops.specdec.cpu_sglang_write_path(*outputs, retrive_index, accepted_nodes,
+                                            output_token_ids, num_accepted,
+                                            -1 if vocab is None else vocab)
+    return True
+
+
+def mrv2_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,
+                row_mapping, num_slots: int, num_rows: int):
+    """vLLM MRV2's ``packed_layout`` by one C++ op (a tuple in ``PackedLayout``'s order); None
+    where it does not run."""
+    if not _adapters_run(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,
+                         row_mapping):
+        return None
+    return torch.ops.specdec.cpu_mrv2_layout(cu_num_logits, draft_sampled, pos, idx_mapping,
+                                             temperature, seed, row_mapping, num_slots,
+                                             num_rows)
+
+
+def mrv2_outputs(output_token_ids, num_accepted, zero_missing: bool):
+    """vLLM MRV2's ``(sampled, num_sampled)`` from ours by one C++ op; None where it does not
+    run."""
+    if not _adapters_run(output_token_ids, num_accepted) or num_accepted.dtype != torch.int32:
+        return None
+    return torch.ops.specdec.cpu_mrv2_outputs(output_token_ids, num_accepted, zero_missing)
 
 
 def verify_tree(target_logits, tree_token_ids, parents, draft_probs, draft_sampling, num_nodes,

@@ -2,6 +2,7 @@
 in-place output checks."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -21,7 +22,7 @@ def logits_from_probs(probs: torch.Tensor, name: str) -> torch.Tensor:
     probabilities where our kernels read logits.
     """
     _params.check_tensor(probs, name, dtypes=_params.LOGIT_DTYPES + (torch.float64,))
-    return torch.log(probs.to(torch.float32))
+    return torch.log(probs if probs.dtype == torch.float32 else probs.to(torch.float32))
 
 
 def seeds_from_generator(generator: torch.Generator, batch: int,
@@ -62,10 +63,14 @@ ROW_SEED_MAX_ROWS_LOG2 = 20
 def row_seeds(seed, batch: int, device: torch.device) -> torch.Tensor:
     """``[batch]`` int64 seeds for a batch keyed by one seed (a Python int or a ``[1]`` int64
     tensor): ``seed + b * ROW_SEED_STRIDE`` wrapped to int64, without a synchronisation."""
-    rows = torch.arange(batch, dtype=torch.int64, device=device) * ROW_SEED_STRIDE
     if isinstance(seed, torch.Tensor):
-        return rows + seed.reshape(-1)[:1].to(torch.int64)
-    return rows + seed
+        if seed.dim() != 1 or seed.shape[0] != 1:
+            seed = seed.reshape(-1)[:1]
+        seed = _params.as_int64(seed)
+        if batch == 1:  # row 0's seed is the seed itself
+            return seed
+        return _params.arange(batch, device) * ROW_SEED_STRIDE + seed
+    return torch.arange(batch, dtype=torch.int64, device=device) * ROW_SEED_STRIDE + seed
 
 
 def value_checks_wanted(validate: Optional[bool], device: torch.device) -> bool:
@@ -84,19 +89,18 @@ def value_checks_wanted(validate: Optional[bool], device: torch.device) -> bool:
 
 def restoring_generator(generator: Optional[torch.Generator]):
     """A context manager that puts ``generator`` back as it was when the body raises (a
-    rejected call advances no generator)."""
-    import contextlib
+    rejected call advances no generator); nothing to do for None."""
+    return contextlib.nullcontext() if generator is None else _restoring(generator)
 
-    @contextlib.contextmanager
-    def guard():
-        state = None if generator is None else generator.get_state()
-        try:
-            yield
-        except BaseException:
-            if state is not None:
-                generator.set_state(state)
-            raise
-    return guard()
+
+@contextlib.contextmanager
+def _restoring(generator: torch.Generator):
+    state = generator.get_state()
+    try:
+        yield
+    except BaseException:
+        generator.set_state(state)
+        raise
 
 
 def capturing_cuda_graph(device: torch.device) -> bool:

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _params
+from .. import _cpu, _params
 from ..tree_attention import _validate as _validate_parents
 
 __all__ = ["EagleTree", "ParentTree", "tree_from_sglang", "tree_to_sglang", "sibling_rank"]
@@ -63,6 +63,9 @@ def tree_from_sglang(retrive_next_token: torch.Tensor, retrive_next_sibling: tor
     if nodes < 1:
         raise ValueError(f"retrive_next_token: expected at least one node (the root), got "
                          f"shape {list(retrive_next_token.shape)}")
+    fast = _cpu.sglang_parents(retrive_next_token, retrive_next_sibling)  # (CPU: one op)
+    if fast is not None and (fast[1] or not validate):
+        return ParentTree(fast[0], candidates)
     device = retrive_next_token.device
     node = torch.arange(nodes, device=device).expand(batch, nodes)
     sink = nodes  # one extra column takes the writes of "-1" (and of bad values)

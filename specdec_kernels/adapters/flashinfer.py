@@ -182,19 +182,24 @@ def chain_speculative_sampling(
         out = verify_chain(target_logits, draft_token_ids, draft_probs=draft_probs,
                            temperature=1.0, seed=seeds, offset=offset, backend=backend,
                            validate=values)
+    accepted_num, emitted_num = _counters(maybe_output_accepted_token_num,
+                                          maybe_output_emitted_draft_token_num, batch, device)
     seeds, offsets = _params.seeds_and_offsets(seeds, offset, batch=batch, device=device)
-
-    independent = _independently_accepted(target_probs, draft_probs, draft_token_ids,
-                                          out.num_accepted, seeds, offsets)
-    accepted_num = maybe_output_accepted_token_num
-    if accepted_num is None:
-        accepted_num = torch.zeros(batch, dtype=torch.int32, device=device)
-    emitted_num = maybe_output_emitted_draft_token_num
-    if emitted_num is None:
-        emitted_num = torch.zeros(batch, dtype=torch.int32, device=device)
-    accepted_num.add_(independent.to(accepted_num.dtype))
-    emitted_num.add_(out.num_accepted.to(emitted_num.dtype))
+    if not _cpu.flashinfer_counts(target_probs, draft_probs, draft_token_ids, out.num_accepted,
+                                  seeds, offsets, accepted_num, emitted_num):
+        independent = _independently_accepted(target_probs, draft_probs, draft_token_ids,
+                                              out.num_accepted, seeds, offsets)
+        accepted_num.add_(independent.to(accepted_num.dtype))
+        emitted_num.add_(out.num_accepted.to(emitted_num.dtype))
     return out.output_token_ids, accepted_num, emitted_num
+
+
+def _counters(accepted, emitted, batch: int, device: torch.device):
+    """The counters given, or new int32 zeros (one allocation for both)."""
+    if accepted is None and emitted is None:
+        return torch.zeros(2, batch, dtype=torch.int32, device=device).unbind(0)
+    return tuple(torch.zeros(batch, dtype=torch.int32, device=device) if c is None else c
+                 for c in (accepted, emitted))
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
@@ -245,8 +250,8 @@ def _checked_seed_and_offset(seed, offset, batch: int, device: torch.device):
                              f"shape {list(value.shape)}")
         checked.append(value.view(torch.int64) if value.dtype == torch.uint64 else value)
     seed, offset = checked
-    if isinstance(offset, torch.Tensor) and offset.shape[0] == 1:
-        offset = offset.reshape(())
+    if isinstance(offset, torch.Tensor) and offset.shape[0] == 1 != batch:
+        offset = offset.reshape(())  # (a [1] offset of one request is already per request)
     return seed, offset
 
 

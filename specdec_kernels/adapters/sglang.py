@@ -70,7 +70,7 @@ from typing import Optional
 
 import torch
 
-from .. import _params
+from .. import _cpu, _params
 from ..reference.tree import DRAFT_SAMPLING
 from ..tree import verify_tree
 from ..tree_attention import build_tree_attention
@@ -251,7 +251,8 @@ def tree_speculative_sampling_target_only(
                                batch, nodes, device)
     tree = tree_from_sglang(retrive_next_token, retrive_next_sibling, candidates,
                             validate=values)
-    if values and batch:
+    if values and batch and not _cpu.sglang_outputs_ok(retrive_index, predicts.numel(),
+                                                       tree.parents, num_spec_step):
         _check_outputs(retrive_index, predicts, tree.parents, num_spec_step)
     # seed=None: one seed per request from torch's generator, drawn by the first verify_tree
     # once it has checked its arguments, and reused by the second; a rejected call puts the
@@ -342,7 +343,8 @@ def verify_tree_greedy(
                             validate=values)
     if batch == 0:
         return None
-    if values:
+    if values and not _cpu.sglang_outputs_ok(retrive_index, predicts.numel(), tree.parents,
+                                             nodes + 1):  # (no depth limit here)
         _check_flat_indices(retrive_index, predicts)
     num_spec_step = accept_index.shape[1]
     node = torch.arange(nodes, device=device)
@@ -424,7 +426,10 @@ def _write_path(predicts, accept_index, accept_token_num, retrive_index, accepte
     """Path step ``i`` (root first) of the first ``num_spec_step``: its flat index into
     ``accept_index``, the token emitted after it into ``predicts`` (a ``-1`` -- a row with no
     mass -- as ``vocab - 1``, what SGLang's sampling kernel writes). Unused steps repeat step
-    0's write, so nothing else changes."""
+    0's write, so nothing else changes. (CPU tensors: one C++ op, the same writes.)"""
+    if _cpu.sglang_write_path(predicts, accept_index, accept_token_num, retrive_index,
+                              accepted_nodes, output_token_ids, num_accepted, vocab):
+        return
     num_spec_step = accept_index.shape[1]
     width = min(num_spec_step, accepted_nodes.shape[1])
     device = predicts.device

@@ -41,7 +41,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ... import _params
+from ... import _cpu, _params
 from ...chain import verify_chain_packed
 from .._common import value_checks_wanted
 from . import _delegate
@@ -142,15 +142,14 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
         offset=layout.first_pos,
         method="block" if use_block_verification else "token", backend=backend,
         validate=False)
-    return out.output_token_ids.to(torch.int64), out.num_accepted + 1
+    return mrv2_outputs(out.output_token_ids, out.num_accepted, zero_missing=False)
 
 
 class PackedLayout(NamedTuple):
     """MRV2's step in our packed layout (``packed_layout``)."""
     cu_drafts: torch.Tensor           # [B+1] int64 exclusive draft offsets
-    request_of: torch.Tensor          # [T] each draft's request
-    draft_ids: torch.Tensor           # [T] int64
-    slots: torch.Tensor               # [B] request slots (idx_mapping, clamped)
+    draft_ids: torch.Tensor           # [T] int64 (-1: a sharded cache has no row for it)
+    draft_rows: torch.Tensor          # [B] int64 each request's slot, or its cache row
     temperature: torch.Tensor         # [B] float32, the requests' own (0 = greedy)
     verify_temperature: torch.Tensor  # [B] 0 for greedy, else 1 (the logits are processed)
     seeds: torch.Tensor               # [B] int64
@@ -158,11 +157,18 @@ class PackedLayout(NamedTuple):
 
 
 def packed_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,
-                  num_reqs: int, num_logits: int, num_slots: int) -> PackedLayout:
+                  num_reqs: int, num_logits: int, num_slots: int, row_mapping=None,
+                  num_rows: int = 0) -> PackedLayout:
     """MRV2's layout (request ``i``'s rows ``cu_num_logits[i] ..`` with its bonus row last;
     ``draft_sampled[r]`` the draft row ``r - 1`` verifies) in ours, on the device, no
-    synchronisation. Unvalidated indices past the end are clamped: never a read out of
-    bounds."""
+    synchronisation. ``row_mapping`` (vLLM 0.34's sharded draft cache of ``num_rows`` rows):
+    each request's row there, ``-1`` for none (its drafts become ``-1``: rejected).
+    Unvalidated indices past the end are clamped: never a read out of bounds. CPU tensors:
+    one C++ op, the same values."""
+    fast = _cpu.mrv2_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,
+                            row_mapping, num_slots, num_rows)
+    if fast is not None:
+        return PackedLayout(*fast)
     device = draft_sampled.device
     num_packed = num_logits - num_reqs  # T: every request has one bonus row
     cu = _params.as_int64(cu_num_logits)
@@ -174,13 +180,36 @@ def packed_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, s
     draft_ids = _params.as_int64(draft_sampled)[draft_rows] if num_packed else \
         draft_sampled.new_zeros(0, dtype=torch.int64)
     slots = _params.as_int64(idx_mapping).clamp(0, max(num_slots - 1, 0))
+    rows = slots
+    if row_mapping is not None:
+        rows = _params.as_int64(row_mapping)[slots].clamp(max=num_rows - 1)
+        if num_packed:
+            # No row on this rank: the drafter's q is unknown, so its drafts are rejected
+            # and the target is sampled (exact whatever the drafts were).
+            draft_ids = torch.where(rows[request_of] < 0, -1, draft_ids)
+        rows = rows.clamp(min=0)
     temp = temperature[slots]
     if temp.dtype != torch.float32:
         temp = temp.float()
     first_pos = _params.as_int64(pos)[cu[:num_reqs].clamp(max=max(num_logits - 1, 0))] \
         if num_logits else pos.new_zeros(num_reqs, dtype=torch.int64)
-    return PackedLayout(cu_drafts, request_of, draft_ids, slots, temp,
-                        (temp != 0).to(torch.float32), _params.as_int64(seed)[slots], first_pos)
+    return PackedLayout(cu_drafts, draft_ids, rows, temp, (temp != 0).to(torch.float32),
+                        _params.as_int64(seed)[slots], first_pos)
+
+
+def mrv2_outputs(output_token_ids, num_accepted, zero_missing: bool):
+    """``(sampled, num_sampled)``: our tokens as int64 and ``num_accepted + 1``;
+    ``zero_missing`` (vLLM 0.34): a ``-1`` among the emitted tokens (a row with no finite
+    logit, contract section 7) as token 0, what vLLM's kernels write there (its argmax over
+    all ``-inf``). CPU tensors: one C++ op."""
+    fast = _cpu.mrv2_outputs(output_token_ids, num_accepted, zero_missing)
+    if fast is not None:
+        return fast
+    sampled, num_sampled = output_token_ids.to(torch.int64), num_accepted + 1
+    if not zero_missing:
+        return sampled, num_sampled
+    emitted = _params.arange(sampled.shape[1], sampled.device) < num_sampled[:, None]
+    return torch.where(emitted & (sampled < 0), 0, sampled), num_sampled
 
 
 def _check_indices(cu_num_logits, idx_mapping, slot_sizes: dict, num_logits: int,

@@ -54,7 +54,7 @@ from ... import _params
 from ...chain import verify_chain_packed
 from .._common import value_checks_wanted
 from . import _delegate
-from .mrv2_0_33 import _check_indices, packed_layout
+from .mrv2_0_33 import _check_indices, mrv2_outputs, packed_layout
 
 __all__ = ["rejection_sample", "RejectionSampler", "swap", "VLLM_VERSION"]
 
@@ -170,30 +170,19 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits_cache,
         # A padded target head: vLLM verifies over the draft's vocabulary (a view, no copy).
         vocab = values.shape[2]
         target_logits = target_logits[:, :vocab]
-    num_packed = num_logits - num_reqs  # every request has one bonus row
     layout = packed_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,
-                           num_reqs, num_logits, min(slot_sizes.values()))
-    draft_ids, draft_args = layout.draft_ids, {}
-    if values is not None:
-        rows = layout.slots if row_mapping is None else \
-            _params.as_int64(row_mapping)[layout.slots].clamp(max=values.shape[0] - 1)
-        if row_mapping is not None and num_packed:
-            # No row on this rank: the drafter's q is unknown, so its drafts are rejected
-            # and the target is sampled (exact whatever the drafts were).
-            draft_ids = torch.where(rows[layout.request_of] < 0, -1, draft_ids)
-        draft_args = dict(draft_logits=values, draft_slots=rows.clamp(min=0),
-                          draft_temperature=layout.temperature)
+                           num_reqs, num_logits, min(slot_sizes.values()),
+                           *((None, 0) if values is None else (row_mapping, values.shape[0])))
+    draft_args = {} if values is None else dict(
+        draft_logits=values, draft_slots=layout.draft_rows, draft_temperature=layout.temperature)
     out = verify_chain_packed(
-        target_logits, draft_ids, layout.cu_drafts, max_draft_tokens=num_speculative_steps,
+        target_logits, layout.draft_ids, layout.cu_drafts, max_draft_tokens=num_speculative_steps,
         **draft_args, temperature=layout.verify_temperature, seed=layout.seeds,
         offset=layout.first_pos,
         method="block" if use_block_verification else "token", backend=backend,
         validate=False)
-    sampled, num_sampled = out.output_token_ids.to(torch.int64), out.num_accepted + 1
-    # vLLM never emits -1 as a token: a row with no finite logit (ours: -1, contract section
-    # 7) gets what vLLM's kernels write there, token 0 (its argmax over all -inf).
-    emitted = _params.arange(sampled.shape[1], device) < num_sampled[:, None]
-    return torch.where(emitted & (sampled < 0), 0, sampled), num_sampled
+    # vLLM never emits -1 as a token: a row with no finite logit gets token 0, as vLLM's.
+    return mrv2_outputs(out.output_token_ids, out.num_accepted, zero_missing=True)
 
 
 def _check_rows(row_mapping, idx_mapping, num_rows: int) -> None:
