@@ -407,14 +407,17 @@ def test_every_tracing_mode_counts_as_tracing():
 
 
 @pytest.mark.parametrize("op", ["chain", "packed", "tree", "sample"])
-def test_a_plan_of_tensor_parameters_takes_each_call_s_values(op):
+def test_a_plan_of_tensor_parameters_takes_each_call_s_values(op, monkeypatch):
     """A plan keeps a template of tensor parameters, never their values: a repeated structure
-    with other temperatures and top-p gives what a fresh parse of them gives, a non-contiguous
-    tensor of the kept structure is parsed afresh, and a bad value is still the error."""
+    with other temperatures, top-k, top-p and min-p gives what a fresh parse of them gives (and
+    is served by the template: ``_params.filled``), a non-contiguous tensor of the kept
+    structure is parsed afresh, and a bad value is still the error."""
+    from specdec_kernels import _params
     x, p = _inputs(), _packed_inputs()
 
-    def call(t, top_p):
-        s = dict(temperature=t, top_p=top_p, seed=x["seed"], offset=x["offset"])
+    def call(t, top_k, top_p, min_p):
+        s = dict(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p, seed=x["seed"],
+                 offset=x["offset"])
         if op == "chain":
             return sk.verify_chain(x["logits"], x["ids"], draft_probs=x["probs"], **s)[0]
         if op == "packed":
@@ -424,19 +427,33 @@ def test_a_plan_of_tensor_parameters_takes_each_call_s_values(op):
             return sk.verify_tree(x["logits"], x["tree_ids"], x["parents"], **s)[0]
         return sk.sample(x["logits"][:, 0], **s)
 
+    served = []
+    real_filled = _params.filled
+    monkeypatch.setattr(_params, "filled",
+                        lambda *a: served.append(real_filled(*a)) or served[-1])
     plans = (chain._CHAIN_PLANS, chain._PACKED_PLANS, tree._TREE_PLANS, sampling._SAMPLE_PLANS)
-    for temperature in ([0.5, 1.0, 2.0], [0.0, 3.0, 0.2], [4.0, 0.0, 1.0]):
-        t = torch.tensor(temperature)
+    for temperature, top_k, min_p in (([0.5, 1.0, 2.0], [0, 3, 1], [0.0, 0.1, 0.5]),
+                                      ([0.0, 3.0, 0.2], [2, 0, V], [0.3, 0.0, 0.0]),
+                                      ([4.0, 0.0, 1.0], [1, 1, 5], [0.9, 0.2, 0.05])):
+        # (top_k as int32, the parse's own dtype: an int64 one is narrowed, so parsed afresh)
+        t, m = torch.tensor(temperature), torch.tensor(min_p)
+        k = torch.tensor(top_k, dtype=torch.int32)
         top_p = torch.tensor([0.9, 0.5, 1.0])
-        kept = call(t, top_p)
         for cache in plans:
             cache.clear()
         _params_cache().clear()
-        assert torch.equal(kept, call(t.clone(), top_p.clone()))  # = a fresh parse
+        fresh = call(t, k, top_p, m)  # parsed: the plan keeps a template
+        served.clear()
+        kept = call(t.clone(), k.clone(), top_p.clone(), m.clone())  # from the template
+        assert torch.equal(kept, fresh)
+        assert served and all(params is not None for params in served)
         strided = torch.stack([t, t], 1)[:, 0]  # the kept structure, not contiguous
-        assert not strided.is_contiguous() and torch.equal(kept, call(strided, top_p))
+        assert not strided.is_contiguous() and torch.equal(kept, call(strided, k, top_p, m))
+        assert torch.equal(kept, call(t, k.long(), top_p, m))  # int64 top-k: the same tokens
     with pytest.raises(ValueError, match="^top_p: expected values in \\(0, 1\\]"):
-        call(t, torch.tensor([0.9, 0.0, 1.0]))
+        call(t, k, torch.tensor([0.9, 0.0, 1.0]), m)
+    with pytest.raises(ValueError, match="^min_p: expected"):
+        call(t, k, top_p, torch.tensor([0.9, 1.5, 1.0]))
 
 
 def _params_cache():

@@ -195,9 +195,7 @@ def chain_speculative_sampling(
 
 
 def _counters(accepted, emitted, batch: int, device: torch.device):
-    """The counters given, or new int32 zeros (one allocation for both)."""
-    if accepted is None and emitted is None:
-        return torch.zeros(2, batch, dtype=torch.int32, device=device).unbind(0)
+    """The counters given, or new int32 zeros."""
     return tuple(torch.zeros(batch, dtype=torch.int32, device=device) if c is None else c
                  for c in (accepted, emitted))
 
