@@ -232,6 +232,50 @@ def test_sglang_write_path_equals_the_torch_code(index_dtype, vocab):
         bool((inputs[3].clamp(0, columns - 1) == 0).all())
 
 
+def _greedy_torch(outputs, inputs):
+    got = [t.clone() for t in outputs]
+    with torch_code():
+        sglang.verify_tree_greedy(*got, *inputs, validate=False)
+    return got
+
+
+@pytest.mark.parametrize("index_dtype", INDEX)
+def test_sglang_greedy_equals_the_torch_code(index_dtype):
+    gen = _gen(7)
+    for trial in range(50):
+        b, n = int(torch.randint(1, 4, (1,), generator=gen)), int(
+            torch.randint(1, 10, (1,), generator=gen))
+        parents = _random_parents(gen, b, n)
+        candidates = torch.randint(0, 4, (b, n), generator=gen)  # small: repeats, matches
+        tree = _sglang_trees.tree_to_sglang(parents, candidates)
+        lists = [tree.retrive_next_token, tree.retrive_next_sibling]
+        broken = trial % 5 == 4 and n > 2
+        if broken:  # not one tree: the op declines, the torch code answers
+            lists[0][0, int(torch.randint(0, n, (1,), generator=gen))] = n - 1
+        size = b * n + int(torch.randint(0, 3, (1,), generator=gen))
+        retrive_index = tree.retrive_index + (
+            torch.randint(-1, 2, (b, n), generator=gen) if trial % 3 == 0 else 0)
+        target_predict = torch.randint(0, 4, (b, n), generator=gen)
+        columns = int(torch.randint(1, n + 2, (1,), generator=gen))
+        outputs = (torch.randint(-3, 3, (size,), generator=gen).to(torch.int32),
+                   torch.full((b, columns), -1, dtype=torch.int32), torch.zeros(b, dtype=torch.int32))
+        inputs = [x.to(index_dtype) for x in (candidates, retrive_index, *lists, target_predict)]
+        expected = _greedy_torch(outputs, inputs)
+        got = [t.clone() for t in outputs]
+        one_tree = _cpu.sglang_parents(*inputs[2:4])[1]
+        assert _cpu.sglang_greedy(*got, *inputs) == one_tree
+        if not one_tree:
+            assert all(torch.equal(g, o) for g, o in zip(got, outputs))  # nothing written
+            continue
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e), (trial, inputs)
+        compared = got, expected
+    got, expected = compared  # Planted fault: the root's emitted token changed, seen.
+    planted = [t.clone() for t in expected]
+    planted[0][int(got[1][0, 0])] += 1
+    assert not torch.equal(got[0], planted[0])
+
+
 # --- vLLM MRV2's layout and outputs -------------------------------------------------------
 
 

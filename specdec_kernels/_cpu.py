@@ -221,6 +221,21 @@ def sglang_write_path(predicts, accept_index, accept_token_num, retrive_index, a
     return True
 
 
+def sglang_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                  retrive_next_token, retrive_next_sibling, target_predict) -> bool:
+    """The SGLang adapter's ``verify_tree_greedy`` walk and writes by one C++ op, where the
+    lists are one tree; False, and nothing written, where it does not run or they are not
+    (the caller's torch code then gives its answer)."""
+    outputs = (predicts, accept_index, accept_token_num)
+    if not _adapters_run(*outputs, candidates, retrive_index, retrive_next_token,
+                         retrive_next_sibling, target_predict) or \
+            not all(t.is_contiguous() for t in outputs):
+        return False
+    return torch.ops.specdec.cpu_sglang_greedy(*outputs, candidates, retrive_index,
+                                               retrive_next_token, retrive_next_sibling,
+                                               target_predict)
+
+
 def mrv2_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,
                 row_mapping, num_slots: int, num_rows: int):
     """vLLM MRV2's ``packed_layout`` by one C++ op (a tuple in ``PackedLayout``'s order); None

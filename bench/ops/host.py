@@ -144,6 +144,13 @@ def adapter_calls(x) -> dict:
         lambda: sglang.tree_speculative_sampling_target_only(
             *outputs, *tree[3:], *tree[:3], target_logits=x["logits"],
             temperature=torch.ones(B), seed=x["seed"], offset=x["offset"], validate=False)
+    target_predict = x["logits"].argmax(-1)  # SGLang's all-greedy step
+    calls[("SGLang verify_tree_greedy", "target predict")] = \
+        lambda: sglang.verify_tree_greedy(*outputs, *tree[3:], *tree[:3],
+                                          target_predict=target_predict)
+    calls[("SGLang verify_tree_greedy", "target predict, validate=False (CUDA's default)")] = \
+        lambda: sglang.verify_tree_greedy(*outputs, *tree[3:], *tree[:3],
+                                          target_predict=target_predict, validate=False)
     return calls
 
 

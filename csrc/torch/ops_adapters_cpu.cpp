@@ -12,22 +12,15 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_tensors.h"
 #include "sampling_cpu.h"
 
 namespace specdec {
 namespace torch_ops {
 namespace {
 
-void check_cpu(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
-}
-
-// t itself when it already has the type and is contiguous, else a converted copy.
-at::Tensor as_type(const at::Tensor& t, at::ScalarType type) {
-  if (t.scalar_type() == type && t.is_contiguous()) return t;
-  return t.to(type).contiguous();
-}
+using cpu_tensors::as_type;
+using cpu_tensors::check_cpu;
 
 // Elements [start, start + count) of a float tensor (float32/64, bf16, fp16) as doubles:
 // their sum in sequence (sum = true) or the first one.
@@ -264,6 +257,76 @@ void cpu_sglang_write_path(at::Tensor predicts, at::Tensor accept_index,
   }
 }
 
+// SGLang's verify_tree_greedy (adapters/sglang.py), in place, where its lists are one tree:
+// from the root, at node u the first child in list order whose candidate equals
+// target_predict at u's flat index (clamped into predicts, then into target_predict) is
+// accepted, for at most min(num_spec_step, N) - 1 levels; then the writes of
+// cpu_sglang_write_path (no vocab: a token is never -1 here). Returns false, and writes
+// nothing, where the lists are not one tree (the caller's torch code then decides).
+bool cpu_sglang_greedy(at::Tensor predicts, at::Tensor accept_index, at::Tensor accept_token_num,
+                       const at::Tensor& candidates, const at::Tensor& retrive_index,
+                       const at::Tensor& next_token, const at::Tensor& next_sibling,
+                       const at::Tensor& target_predict) {
+  const auto tree = cpu_sglang_parents(next_token, next_sibling);
+  if (!std::get<1>(tree)) return false;
+  const int64_t batch = next_token.size(0), nodes = next_token.size(1);
+  TORCH_CHECK(accept_index.dim() == 2 && accept_index.size(1) >= 1,
+              "accept_index [bs, num_spec_step >= 1] expected");
+  check_cpu(candidates, "candidates", {batch, nodes});
+  check_cpu(retrive_index, "retrive_index", {batch, nodes});
+  check_cpu(target_predict, "target_predict", {batch, nodes});
+  TORCH_CHECK(predicts.dim() == 1 && (batch == 0 || predicts.numel() >= 1),
+              "predicts: a 1-D tensor with at least one entry expected");
+  const int64_t width = std::min(accept_index.size(1), nodes), flat_size = predicts.numel();
+  const at::Tensor cand = as_type(candidates, at::kLong), index = as_type(retrive_index, at::kLong),
+                   target = as_type(target_predict, at::kLong),
+                   first = as_type(next_token, at::kLong), next = as_type(next_sibling, at::kLong);
+  const int64_t *cp = cand.data_ptr<int64_t>(), *ip = index.data_ptr<int64_t>(),
+                *tp = target.data_ptr<int64_t>(), *fp = first.data_ptr<int64_t>(),
+                *sp = next.data_ptr<int64_t>();
+  at::Tensor path = at::empty({batch, width}, cand.options()),
+             emitted = at::empty({batch, width}, cand.options()),
+             count = at::empty({batch}, cand.options());
+  int64_t *pp = path.data_ptr<int64_t>(), *ep = emitted.data_ptr<int64_t>(),
+          *np = count.data_ptr<int64_t>();
+  const int64_t target_size = batch * nodes;
+  auto clamp = [](int64_t v, int64_t lo, int64_t hi) { return std::min(std::max(v, lo), hi); };
+  // The target's choice after node u of request b.
+  auto predicted = [&](int64_t b, int64_t u) {
+    const int64_t flat = clamp(ip[b * nodes + u], 0, flat_size - 1);
+    return tp[clamp(flat, 0, target_size - 1)];
+  };
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t current = 0, accepted = 0;
+    pp[b * width] = 0;
+    for (int64_t step = 1; step < width; ++step) {
+      int64_t child = -1;
+      if (accepted == step - 1) {  // still walking: the first matching child in list order
+        const int64_t want = predicted(b, current);
+        int64_t c = fp[b * nodes + current];
+        for (int64_t seen = 0; c >= 0 && c < nodes && seen < nodes; ++seen) {
+          if (cp[b * nodes + c] == want) {
+            child = c;
+            break;
+          }
+          c = sp[b * nodes + c];
+        }
+      }
+      if (child >= 0) current = child, ++accepted;
+      pp[b * width + step] = child >= 0 ? child : -1;
+      ep[b * width + step - 1] = cp[b * nodes + current];
+    }
+    np[b] = accepted;
+    const int64_t last = predicted(b, current);
+    for (int64_t i = 0; i < width; ++i) {
+      ep[b * width + i] = i < accepted ? ep[b * width + i] : (i == accepted ? last : -1);
+    }
+  }
+  cpu_sglang_write_path(predicts, accept_index, accept_token_num, retrive_index, path, emitted,
+                        count, -1);
+  return true;
+}
+
 // vLLM MRV2's step in our packed layout (adapters/vllm/mrv2_0_33.py: packed_layout, the
 // same values for every input its torch code takes): request i's rows cu[i] .. cu[i+1] - 1 of
 // num_logits, its bonus row last; draft_sampled[r] the draft that row r - 1 verifies. Returns
@@ -386,6 +449,10 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "Tensor(c!) accept_token_num, Tensor retrive_index, Tensor accepted_nodes, "
       "Tensor output_token_ids, Tensor num_accepted, int vocab) -> ()");
   m.def(
+      "cpu_sglang_greedy(Tensor(a!) predicts, Tensor(b!) accept_index, "
+      "Tensor(c!) accept_token_num, Tensor candidates, Tensor retrive_index, "
+      "Tensor next_token, Tensor next_sibling, Tensor target_predict) -> bool");
+  m.def(
       "cpu_mrv2_layout(Tensor cu_num_logits, Tensor draft_sampled, Tensor pos, Tensor idx_mapping, "
       "Tensor temperature, Tensor seed, Tensor? row_mapping, int num_slots, int num_rows) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -399,6 +466,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("cpu_sglang_parents", &cpu_sglang_parents);
   m.impl("cpu_sglang_outputs_ok", &cpu_sglang_outputs_ok);
   m.impl("cpu_sglang_write_path", &cpu_sglang_write_path);
+  m.impl("cpu_sglang_greedy", &cpu_sglang_greedy);
   m.impl("cpu_mrv2_layout", &cpu_mrv2_layout);
   m.impl("cpu_mrv2_outputs", &cpu_mrv2_outputs);
 }

@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_tensors.h"
 #include "sampling_cpu.h"
 
 namespace specdec {
@@ -34,10 +35,8 @@ cpu::Dtype dtype_of(const at::Tensor& t, const char* name) {
   }
 }
 
-void check_cpu(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
-}
+using cpu_tensors::as_type;
+using cpu_tensors::check_cpu;
 
 // The [B] parameters as contiguous tensors of the core's types (kept alive by `owned`).
 struct Params {
@@ -49,12 +48,6 @@ struct Params {
                               seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>()};
   }
 };
-
-// t itself when it already has the type and is contiguous (no dispatcher call), else a copy.
-at::Tensor as_type(const at::Tensor& t, at::ScalarType type) {
-  if (t.scalar_type() == type && t.is_contiguous()) return t;
-  return t.to(type).contiguous();
-}
 
 at::Tensor small(const at::Tensor& t, const char* name, int64_t batch, at::ScalarType type) {
   check_cpu(t, name, {batch});

@@ -294,7 +294,7 @@ def verify_tree_greedy(
     ``predicts``, ``accept_index`` and ``accept_token_num`` in place, token for token as
     SGLang's ``VerifyTreeGreedy`` kernel does. Pure integer work: no probabilities, no
     randomness, no host synchronisation (``log2 N`` pointer-jumping steps and one gather per
-    accepted level).
+    accepted level; on CPU tensors whose lists are one tree, one C++ op: the same writes).
 
     From the root, at node ``u``, children are tried in list order (``retrive_next_token``,
     then ``retrive_next_sibling``); the first whose candidate equals
@@ -346,6 +346,9 @@ def verify_tree_greedy(
     if values and not _cpu.sglang_outputs_ok(retrive_index, predicts.numel(), tree.parents,
                                              nodes + 1):  # (no depth limit here)
         _check_flat_indices(retrive_index, predicts)
+    if _cpu.sglang_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                          retrive_next_token, retrive_next_sibling, target_predict):
+        return None  # (CPU tensors, one tree: one C++ op, the same writes as below)
     num_spec_step = accept_index.shape[1]
     node = torch.arange(nodes, device=device)
     flat = retrive_index.to(torch.int64).clamp(0, predicts.numel() - 1)
