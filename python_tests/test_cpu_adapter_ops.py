@@ -325,6 +325,50 @@ def test_mrv2_layout_equals_the_torch_code(index_dtype):
     assert not all(torch.equal(g, e) for g, e in zip(got, planted)) or got.first_pos.numel() == 0
 
 
+def _indices_pass_torch(cu, idx_mapping, slot_sizes, num_logits, k, row_mapping, num_rows):
+    from specdec_kernels.adapters.vllm import mrv2_0_34
+    try:
+        mrv2_0_33._check_indices(cu, idx_mapping, slot_sizes, num_logits, k)
+        if row_mapping is not None:
+            mrv2_0_34._check_rows(row_mapping, idx_mapping, num_rows)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("index_dtype", INDEX)
+def test_mrv2_index_checks_equal_the_torch_code(index_dtype):
+    gen = _gen(8)
+    outcomes = set()
+    for trial in range(120):
+        b, k = int(torch.randint(0, 5, (1,), generator=gen)), 3
+        counts = torch.randint(1, k + 2, (b,), generator=gen)
+        cu = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
+        num_logits = int(cu[-1])
+        fault = trial % 4
+        if fault == 1 and b:  # a count out of range, or offsets off by one
+            cu[int(torch.randint(1, b + 1, (1,), generator=gen))] += int(
+                torch.randint(-2, 3, (1,), generator=gen))
+        if fault == 2:
+            num_logits += 1
+        slot_sizes = {"temperature": 6, "seed": int(torch.randint(3, 7, (1,), generator=gen))}
+        idx_mapping = torch.randint(-1 if fault == 3 else 0, min(slot_sizes.values()) + 1,
+                                    (b,), generator=gen)
+        row_mapping, num_rows = None, 0
+        if trial % 2:
+            num_rows = 3
+            slot_sizes["draft_logits_cache"] = 6
+            row_mapping = torch.randint(-1 - (fault == 3), num_rows + (fault == 3), (6,),
+                                        generator=gen).to(index_dtype)
+        cu, idx_mapping = cu.to(index_dtype), idx_mapping.to(index_dtype)
+        expected = _indices_pass_torch(cu, idx_mapping, slot_sizes, num_logits, k, row_mapping,
+                                       num_rows)
+        assert _cpu.mrv2_indices_ok(cu, idx_mapping, min(slot_sizes.values()), num_logits, k,
+                                    row_mapping, num_rows) == expected, trial
+        outcomes.add(expected)
+    assert outcomes == {True, False}  # both answers met: the comparison has power
+
+
 @pytest.mark.parametrize("zero_missing", [False, True])
 def test_mrv2_outputs_equal_the_torch_code(zero_missing):
     gen = _gen(6)

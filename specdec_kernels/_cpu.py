@@ -248,6 +248,15 @@ def mrv2_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, see
                                              num_rows)
 
 
+def mrv2_indices_ok(cu_num_logits, idx_mapping, num_slots: int, num_logits: int,
+                    max_drafts: int, row_mapping=None, num_rows: int = 0) -> bool:
+    """Whether a validated MRV2 step's index checks pass, in one C++ pass; False where it does
+    not run or finds a fault: the torch checks then decide, and name it."""
+    return _adapters_run(cu_num_logits, idx_mapping, row_mapping) and \
+        torch.ops.specdec.cpu_mrv2_indices_ok(cu_num_logits, idx_mapping, num_slots, num_logits,
+                                              max_drafts, row_mapping, num_rows)
+
+
 def mrv2_outputs(output_token_ids, num_accepted, zero_missing: bool):
     """vLLM MRV2's ``(sampled, num_sampled)`` from ours by one C++ op; None where it does not
     run."""

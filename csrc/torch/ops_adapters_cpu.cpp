@@ -405,6 +405,39 @@ cpu_mrv2_layout(const at::Tensor& cu_num_logits, const at::Tensor& draft_sampled
   return {cu_drafts, draft_ids, draft_rows, temp, verify_temp, seeds, first_pos};
 }
 
+// Whether a validated MRV2 step passes its index checks (adapters/vllm/mrv2_0_33.py:
+// _check_indices, and vLLM 0.34's _check_rows): idx_mapping in [0, num_slots) (the smallest of
+// its slot tensors), cu_num_logits from 0 to num_logits with 1 .. max_drafts + 1 rows per
+// request, and, for a sharded cache, each request's row_mapping entry in [-1, num_rows). One
+// pass for a CPU call; where it says no, the torch checks name the fault.
+bool cpu_mrv2_indices_ok(const at::Tensor& cu_num_logits, const at::Tensor& idx_mapping,
+                         int64_t num_slots, int64_t num_logits, int64_t max_drafts,
+                         const std::optional<at::Tensor>& row_mapping, int64_t num_rows) {
+  TORCH_CHECK(cu_num_logits.dim() == 1 && cu_num_logits.size(0) >= 1 && idx_mapping.dim() == 1,
+              "cu_num_logits [B+1] and idx_mapping [B] expected");
+  const int64_t batch = cu_num_logits.size(0) - 1;
+  check_cpu(cu_num_logits, "cu_num_logits", {batch + 1});
+  check_cpu(idx_mapping, "idx_mapping", {batch});
+  const at::Tensor cu = as_type(cu_num_logits, at::kLong), slots = as_type(idx_mapping, at::kLong);
+  const int64_t *c = cu.data_ptr<int64_t>(), *m = slots.data_ptr<int64_t>();
+  if (c[0] != 0 || c[batch] != num_logits) return false;
+  for (int64_t i = 0; i < batch; ++i) {
+    if (m[i] < 0 || m[i] >= num_slots) return false;
+    // (c[i] >= 0 by induction: no overflow in the difference)
+    if (c[i + 1] < c[i] + 1 || c[i + 1] - c[i] > max_drafts + 1) return false;
+  }
+  if (!row_mapping.has_value()) return true;
+  TORCH_CHECK(row_mapping->device().is_cpu() && row_mapping->dim() == 1,
+              "row_mapping: a 1-D CPU tensor expected");
+  const at::Tensor rows = as_type(*row_mapping, at::kLong);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch; ++i) {
+    if (m[i] >= rows.size(0)) return false;  // (the torch check would raise IndexError)
+    if (r[m[i]] < -1 || r[m[i]] >= num_rows) return false;
+  }
+  return true;
+}
+
 // MRV2's outputs from ours (adapters/vllm/mrv2_0_3x.py): sampled = output_token_ids as int64
 // (with zero_missing, vLLM 0.34: a -1 among the emitted tokens, a row with no finite logit,
 // as token 0, what vLLM's kernels write), num_sampled = num_accepted + 1 in its own dtype.
@@ -457,6 +490,9 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "Tensor temperature, Tensor seed, Tensor? row_mapping, int num_slots, int num_rows) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "cpu_mrv2_indices_ok(Tensor cu_num_logits, Tensor idx_mapping, int num_slots, "
+      "int num_logits, int max_drafts, Tensor? row_mapping, int num_rows) -> bool");
+  m.def(
       "cpu_mrv2_outputs(Tensor output_token_ids, Tensor num_accepted, bool zero_missing) -> "
       "(Tensor, Tensor)");
 }
@@ -468,6 +504,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("cpu_sglang_write_path", &cpu_sglang_write_path);
   m.impl("cpu_sglang_greedy", &cpu_sglang_greedy);
   m.impl("cpu_mrv2_layout", &cpu_mrv2_layout);
+  m.impl("cpu_mrv2_indices_ok", &cpu_mrv2_indices_ok);
   m.impl("cpu_mrv2_outputs", &cpu_mrv2_outputs);
 }
 

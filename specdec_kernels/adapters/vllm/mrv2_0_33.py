@@ -127,7 +127,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: Optional[torch.T
         if draft_logits.shape[1] < num_speculative_steps or draft_logits.shape[2] < vocab:
             raise ValueError(f"draft_logits: expected [max_num_reqs, >= {num_speculative_steps}"
                              f", >= {vocab}], got {list(draft_logits.shape)}")
-    if value_checks_wanted(validate, device):
+    if value_checks_wanted(validate, device) and not _cpu.mrv2_indices_ok(
+            cu_num_logits, idx_mapping, min(slot_sizes.values(), default=0), num_logits,
+            num_speculative_steps):
         _check_indices(cu_num_logits, idx_mapping, slot_sizes, num_logits, num_speculative_steps)
 
     layout = packed_layout(cu_num_logits, draft_sampled, pos, idx_mapping, temperature, seed,

@@ -50,7 +50,7 @@ from typing import Optional
 
 import torch
 
-from ... import _params
+from ... import _cpu, _params
 from ...chain import verify_chain_packed
 from .._common import value_checks_wanted
 from . import _delegate
@@ -162,7 +162,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits_cache,
     if num_reqs and min(slot_sizes.values()) < 1:
         raise ValueError(f"{', '.join(slot_sizes)}: expected max_num_reqs >= 1 request slots, "
                          f"got {slot_sizes}")
-    if value_checks_wanted(validate, device):
+    if value_checks_wanted(validate, device) and not _cpu.mrv2_indices_ok(
+            cu_num_logits, idx_mapping, min(slot_sizes.values(), default=0), num_logits,
+            num_speculative_steps, row_mapping, 0 if values is None else values.shape[0]):
         _check_indices(cu_num_logits, idx_mapping, slot_sizes, num_logits, num_speculative_steps)
         if row_mapping is not None:
             _check_rows(row_mapping, idx_mapping, values.shape[0])
