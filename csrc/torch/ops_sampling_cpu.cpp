@@ -175,7 +175,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
               "draft_probs and draft_logits are exclusive");
   std::vector<int64_t> draft_shape(draft_token_ids.sizes().begin(), draft_token_ids.sizes().end());
   draft_shape.push_back(vocab);
-  at::Tensor slots, draft_temp;
+  at::Tensor draft_temp;
+  std::vector<int64_t> slot_rows;  // draft_slots, clamped
   // Per-slot draft rows [S, K', V'] (draft_slots): read in place through the slots, any
   // strides with a unit vocabulary stride (else one contiguous copy, as for every input).
   auto draft_tensor = [&](const at::Tensor& draft, const char* name) {
@@ -189,10 +190,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_chain(
                 name, " with draft_slots must be [S >= 1, K' >= K, V' >= V], got ",
                 draft.sizes());
     const at::Tensor rows = draft.stride(2) == 1 ? draft : draft.contiguous();
-    slots = small(*draft_slots, "draft_slots", batch, at::kLong)
-                .clamp(0, std::max<int64_t>(rows.size(0) - 1, 0))
-                .contiguous();
-    args.draft_slots = slots.data_ptr<int64_t>();
+    // Clamped into [0, S - 1] here, in a plain loop (an ATen clamp costs more than the work).
+    const at::Tensor given = small(*draft_slots, "draft_slots", batch, at::kLong);
+    const int64_t* g = given.data_ptr<int64_t>();
+    slot_rows.resize(static_cast<size_t>(batch));
+    for (int64_t b = 0; b < batch; ++b) {
+      slot_rows[b] = std::clamp<int64_t>(g[b], 0, std::max<int64_t>(rows.size(0) - 1, 0));
+    }
+    args.draft_slots = slot_rows.data();
     args.draft_slot_stride = rows.stride(0);
     args.draft_position_stride = rows.stride(1);
     return rows;
