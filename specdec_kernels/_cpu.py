@@ -38,8 +38,12 @@ AVAILABLE = _extension.HAS_EXTENSION and _registered()
 # This version's packed op (it reads cu_num_draft_tokens) and value checks; an older build
 # without them leaves packed calls to the reference.
 PACKED = AVAILABLE and hasattr(torch.ops.specdec, "cpu_packed_layout_ok")
-# The engine adapters' ops (csrc/torch/ops_adapters_cpu.cpp); an older build lacks them.
-ADAPTERS = PACKED and hasattr(torch.ops.specdec, "cpu_sglang_write_path")
+# The engine adapters' ops (csrc/torch/ops_adapters_cpu.cpp), all of them: an older build
+# lacks some, and then the adapters keep their torch code.
+_ADAPTER_OPS = ("cpu_flashinfer_counts", "cpu_sglang_parents", "cpu_sglang_outputs_ok",
+                "cpu_sglang_write_path", "cpu_sglang_greedy", "cpu_mrv2_layout",
+                "cpu_mrv2_indices_ok", "cpu_mrv2_outputs")
+ADAPTERS = PACKED and all(hasattr(torch.ops.specdec, name) for name in _ADAPTER_OPS)
 
 # The instruction-set builds of the C++ path (csrc/core/sampling_cpu*.cpp), as PyTorch's own
 # CPU kernels dispatch DEFAULT / AVX2 / AVX512: every build gives the same tokens.

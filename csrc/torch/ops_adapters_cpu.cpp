@@ -1,7 +1,8 @@
 // CPU ops behind the engine adapters (specdec_kernels/adapters/): each does in one pass what
 // the adapter's torch code does in a few dozen small ops (the host time of issue 46), with the
 // same result for every input the torch code takes, malformed ones included (the tests compare
-// them: python_tests/test_cpu_adapter_ops.py). The Python layer checks shapes and dtypes first;
+// them: python_tests/test_cpu_adapter_ops.py) -- but for FlashInfer's row sums, taken in
+// sequence here and in torch's own order there (see cpu_flashinfer_counts). The Python layer checks shapes and dtypes first;
 // the checks here guard memory safety. Wrappers: specdec_kernels/_cpu.py.
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -57,14 +58,20 @@ double values(const at::Tensor& t, int64_t start, int64_t count, bool sum) {
   }
 }
 
-// Adds `amount[b]` to an int32 or int64 counter in place.
+// Adds `amount[b]` to an int32 or int64 counter in place, wrapping as torch's add_ does
+// (unsigned arithmetic: no signed overflow whatever the caller's running counts are).
+template <typename T, typename U>
+void wrapping_add(T* c, const std::vector<int64_t>& amount) {
+  for (size_t b = 0; b < amount.size(); ++b) {
+    c[b] = static_cast<T>(static_cast<U>(c[b]) + static_cast<U>(amount[b]));
+  }
+}
+
 void add_to(at::Tensor& counter, const std::vector<int64_t>& amount) {
   if (counter.scalar_type() == at::kInt) {
-    int32_t* c = counter.data_ptr<int32_t>();
-    for (size_t b = 0; b < amount.size(); ++b) c[b] += static_cast<int32_t>(amount[b]);
+    wrapping_add<int32_t, uint32_t>(counter.data_ptr<int32_t>(), amount);
   } else {
-    int64_t* c = counter.data_ptr<int64_t>();
-    for (size_t b = 0; b < amount.size(); ++b) c[b] += amount[b];
+    wrapping_add<int64_t, uint64_t>(counter.data_ptr<int64_t>(), amount);
   }
 }
 
@@ -457,7 +464,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_mrv2_outputs(const at::Tensor& output_tok
   const int32_t* n = counts.data_ptr<int32_t>();
   int32_t* ns = num_sampled.data_ptr<int32_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    ns[b] = n[b] + 1;
+    ns[b] = static_cast<int32_t>(static_cast<uint32_t>(n[b]) + 1u);  // (wraps as torch's)
     if (!zero_missing) continue;
     for (int64_t i = 0; i < std::min<int64_t>(ns[b], width); ++i) {
       if (out[b * width + i] < 0) out[b * width + i] = 0;
