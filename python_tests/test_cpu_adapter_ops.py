@@ -165,9 +165,10 @@ def test_sglang_parents_equal_the_torch_code(index_dtype):
     assert not torch.equal(got, planted)
 
 
-def _outputs_ok_torch(retrive_index, predicts, parents, num_spec_step):
+def _passes(check, *args) -> bool:
+    """Whether the torch checks ``check(*args)`` pass (False: they raised a ValueError)."""
     try:
-        sglang._check_outputs(retrive_index, predicts, parents, num_spec_step)
+        check(*args)
         return True
     except ValueError:
         return False
@@ -186,7 +187,7 @@ def test_sglang_output_checks_equal_the_torch_code(index_dtype):
                          + (torch.randint(-1, 2, (b, n), generator=gen) if trial % 3 == 0 else 0))
         retrive_index = retrive_index.to(index_dtype)
         steps = int(torch.randint(1, n + 2, (1,), generator=gen))
-        expected = _outputs_ok_torch(retrive_index, predicts, parents, steps)
+        expected = _passes(sglang._check_outputs, retrive_index, predicts, parents, steps)
         assert _cpu.sglang_outputs_ok(retrive_index, predicts.numel(), parents, steps) == \
             expected, trial
         outcomes.add(expected)
@@ -327,13 +328,8 @@ def test_mrv2_layout_equals_the_torch_code(index_dtype):
 
 def _indices_pass_torch(cu, idx_mapping, slot_sizes, num_logits, k, row_mapping, num_rows):
     from specdec_kernels.adapters.vllm import mrv2_0_34
-    try:
-        mrv2_0_33._check_indices(cu, idx_mapping, slot_sizes, num_logits, k)
-        if row_mapping is not None:
-            mrv2_0_34._check_rows(row_mapping, idx_mapping, num_rows)
-        return True
-    except ValueError:
-        return False
+    return _passes(mrv2_0_33._check_indices, cu, idx_mapping, slot_sizes, num_logits, k) and (
+        row_mapping is None or _passes(mrv2_0_34._check_rows, row_mapping, idx_mapping, num_rows))
 
 
 @pytest.mark.parametrize("index_dtype", INDEX)
